@@ -1,0 +1,107 @@
+"""Measurements: activation bytes (saved-tensor hooks), device/host memory, step medians."""
+from __future__ import annotations
+
+import statistics
+import weakref
+from contextlib import contextmanager
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+GIB = float(1 << 30)
+
+# Dense bf16 peak TFLOP/s per device, for MFU when the recipe does not give one.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+_ACTIVE_METER: Optional["ActivationMeter"] = None
+
+
+def current_activation_meter() -> Optional["ActivationMeter"]:
+    return _ACTIVE_METER
+
+
+class ActivationMeter:
+    """Bytes saved for backward and still alive at the end of the forward.
+
+    Every tensor autograd saves goes through `saved_tensors_hooks`; parameters are not
+    activations and are skipped. Storages are counted once (views share them), and sizes
+    are read at the end of the forward, so checkpoints that were offloaded or freed in the
+    meantime count as what they really hold. Torch's non-reentrant checkpoint keeps its
+    inputs through a closure rather than autograd, so it reports them with `retain`.
+    """
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref] = []
+        self.bytes = 0
+
+    def retain(self, tensors: Iterable) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                self._refs.append(weakref.ref(t))
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter):
+            self._refs.append(weakref.ref(t))
+        return t
+
+    @contextmanager
+    def measure(self):
+        global _ACTIVE_METER
+        self._refs.clear()
+        previous, _ACTIVE_METER = _ACTIVE_METER, self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield self
+        finally:
+            _ACTIVE_METER = previous
+            self.bytes = self._alive_bytes()
+            self._refs.clear()
+
+    def _alive_bytes(self) -> int:
+        storages: dict[tuple, int] = {}
+        for ref in self._refs:
+            t = ref()
+            if t is None:
+                continue
+            s = t.untyped_storage()
+            if s.nbytes():
+                storages[(t.device, s.data_ptr())] = s.nbytes()
+        return sum(storages.values())
+
+
+def device_memory() -> tuple[float, float]:
+    """Peak (allocated, reserved) accelerator GiB since the last reset; 0 on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
+    return 0.0, 0.0
+
+
+def reset_device_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def host_rss_gib() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / GIB
+
+
+def device_peak_tflops() -> Optional[float]:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def medians(history: list[dict[str, float]], skip: int) -> dict[str, float]:
+    """Median of every metric over the steps after the first `skip` (all steps if too few)."""
+    rows = history[skip:] or history
+    tags = sorted({k for row in rows for k in row})
+    return {tag: statistics.median(row[tag] for row in rows if tag in row) for tag in tags}

@@ -1,0 +1,256 @@
+"""The training loop: DeepSpeed engine, per-layer AC plan, metrics to DeepSpeed's monitor."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import socket
+import time
+from contextlib import nullcontext
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint
+from .ac import apply_plan, build_plan, configure_deepspeed_ac, effective_policy
+from .cli import RunArgs
+from .data import build_tokenizer, prepare_data, resolve_files
+from .ds_config import ac_section, resolve_ds_config, zero_stage
+from .errors import UserError
+from .metrics import (GIB, ActivationMeter, device_memory, device_peak_tflops, host_rss_gib, medians,
+                      reset_device_peak, synchronize)
+from .model import build_config, build_model, count_params, decoder_layers, model_flops_per_token
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def _single_process_env() -> None:
+    """`python src/train.py` without a launcher: a world of one."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _share_cpu_cores() -> None:
+    """On CPU, ranks on one node split the cores; oversubscribed threads stall every collective."""
+    if not torch.cuda.is_available():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT/SIGUSR1; acted on at the next step boundary, on every rank at once."""
+
+    def __init__(self) -> None:
+        self.signal_name = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        import deepspeed.comm as dist
+
+        flag = torch.tensor([1.0 if self.signal_name else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _choose_run_dir(args: RunArgs) -> Path:
+    import deepspeed.comm as dist
+
+    chosen = [str(args.run_dir) if args.run_dir else f"runs/{args.recipe.name}-{datetime.now():%Y%m%d-%H%M%S}"]
+    dist.broadcast_object_list(chosen, src=0)  # one timestamp for all ranks
+    return Path(chosen[0])
+
+
+def _check_run_dir(args: RunArgs) -> None:
+    ckpt_dir = args.run_dir / "checkpoints" if args.run_dir else None
+    if args.resume and not checkpoint.has_checkpoint(ckpt_dir):
+        raise UserError(f"--resume: no model checkpoint in {ckpt_dir}")
+    if args.run_dir and (args.run_dir / "config.json").exists() and not (args.resume or args.overwrite):
+        raise UserError(f"--run-dir {args.run_dir}: already holds a run; pass --resume to continue it "
+                        "or --overwrite to replace it")
+
+
+def _prepare_data_everywhere(recipe):
+    """Each node's first rank packs (and caches) the corpus; the others then load the cache."""
+    import deepspeed.comm as dist
+
+    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    data, error = None, None
+    if local_first:
+        try:
+            data = prepare_data(recipe.data, recipe.train.seed)
+        except UserError as e:
+            error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first_error = next((e for e in errors if e), None)
+    if first_error:
+        raise UserError(first_error)
+    return data or prepare_data(recipe.data, recipe.train.seed, build=False)
+
+
+def train(args: RunArgs) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    recipe = args.recipe
+    t = recipe.train
+    world = int(os.environ.get("WORLD_SIZE", 1))
+
+    # --- validate everything cheap before any distributed work
+    resolve_files(recipe.data)
+    tokenizer = build_tokenizer(recipe.data.tokenizer)
+    config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
+    ds_ac = ac_section(args.ds_config)
+    plan = build_plan(effective_policy(recipe.activation_checkpointing, args.ds_config),
+                      recipe.activation_checkpointing.backend,
+                      ds_ac, config.num_hidden_layers)
+    _check_run_dir(args)
+
+    # --- distributed set-up
+    _single_process_env()
+    import deepspeed
+    import deepspeed.comm as dist
+    from tqdm import tqdm
+
+    _share_cpu_cores()
+    deepspeed.init_distributed(verbose=False)
+    rank = dist.get_rank()
+    run_dir = _choose_run_dir(args)
+    ckpt_dir = run_dir / "checkpoints"
+    ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.num_recomputed)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(
+            {"recipe": recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
+             "world_size": world, "ac_plan": plan.to_dict()}, indent=2))
+        print(plan.describe(), flush=True)
+    data = _prepare_data_everywhere(recipe)
+
+    # --- model, AC hooks, engine
+    _seed_everything(t.seed)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero_stage(ds_config) == 3):
+        model = build_model(recipe.model, config)
+    _, layers = decoder_layers(model)
+    if plan.backend == "deepspeed":
+        configure_deepspeed_ac(ds_config)
+    apply_plan(layers, plan)
+    model.train()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
+    start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
+
+    flops_per_token = model_flops_per_token(config, count_params(model, exclude_embeddings=False),
+                                            recipe.data.seq_len)
+    peak_tflops = t.peak_tflops or device_peak_tflops()
+    tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
+    meter = ActivationMeter()
+    stop = StopFlag()
+    history: list[dict[str, float]] = []
+    status, step, last_loss = "completed", start, float("nan")
+    started = time.time()
+
+    bar = tqdm(total=t.max_steps, initial=start, disable=rank != 0, desc=recipe.name, unit="step", dynamic_ncols=True)
+    reset_device_peak()
+    for step in range(start, t.max_steps):
+        if stop.agreed():
+            status = "preempted"
+            break
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=engine.device)
+        for micro in range(t.grad_accum_steps):
+            ids = data.batch(step, micro, rank, world, t.micro_batch_size, t.grad_accum_steps).to(engine.device)
+            with meter.measure() if micro == 0 else nullcontext():
+                loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float()
+        synchronize()
+        step_s = time.perf_counter() - t0
+        dist.all_reduce(loss_sum)
+        last_loss = loss_sum.item() / (world * t.grad_accum_steps)
+        if not math.isfinite(last_loss):
+            status = "failed"
+            raise FloatingPointError(f"loss is {last_loss} at step {step + 1}")
+
+        done = step + 1
+        row = _step_metrics(engine, last_loss, step_s, tokens_per_step, world, t.micro_batch_size * t.grad_accum_steps,
+                            flops_per_token, peak_tflops, meter.bytes)
+        if done > t.metric_warmup_steps or t.max_steps <= t.metric_warmup_steps:
+            history.append(row)
+        else:  # warm-up: keep loss/lr/memory in TensorBoard, but no throughput figures
+            row = {k: v for k, v in row.items() if not k.startswith(("throughput/", "time/"))}
+        if done % t.log_interval == 0 or done == t.max_steps:
+            engine.monitor.write_events([(tag, value, done) for tag, value in row.items()])
+        bar.update(1)
+        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{row.get('throughput/tokens_per_s', 0):,.0f}",
+                        act_gib=f"{row['memory/activation_gib']:.3f}")
+        if t.save_interval and done % t.save_interval == 0 and done < t.max_steps:
+            checkpoint.save(engine, ckpt_dir, done, t.keep_last)
+    else:
+        step = t.max_steps
+    bar.close()
+
+    completed = step if status == "preempted" else t.max_steps
+    if completed > start or status == "preempted":
+        checkpoint.save(engine, ckpt_dir, completed, t.keep_last)
+    summary = {
+        "status": status,
+        "steps": completed,
+        "stop_signal": stop.signal_name,
+        "final_loss": last_loss,
+        "metrics": medians(history, 0),
+        "measured_steps": len(history),
+        "world_size": world,
+        "elapsed_s": time.time() - started,
+        "ac_plan": plan.to_dict(),
+        "run_dir": str(run_dir),
+        "tensorboard": str(run_dir / "tb"),
+    }
+    if rank == 0:
+        checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        print(f"{status}: {completed} steps, final loss {last_loss:.4f}; "
+              f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'})", flush=True)
+    dist.barrier()
+    return summary
+
+
+def _step_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_rank, flops_per_token,
+                  peak_tflops, activation_bytes) -> dict[str, float]:
+    allocated, reserved = device_memory()
+    reset_device_peak()
+    tokens_per_s = tokens_per_step / step_s
+    tflops = flops_per_token * tokens_per_step / world / step_s / 1e12
+    row = {
+        "train/loss": loss,
+        "train/lr": float(engine.get_lr()[0]),
+        "throughput/tokens_per_s": tokens_per_s,
+        "throughput/samples_per_s": world * samples_per_rank / step_s,
+        "throughput/tflops_per_device": tflops,
+        "time/step_s": step_s,
+        "memory/peak_allocated_gib": allocated,
+        "memory/peak_reserved_gib": reserved,
+        "memory/activation_gib": activation_bytes / GIB,
+        "memory/host_rss_gib": host_rss_gib(),
+    }
+    if peak_tflops:
+        row["throughput/mfu"] = tflops / peak_tflops
+    return row

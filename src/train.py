@@ -1,0 +1,10 @@
+"""Entrypoint: `deepspeed src/train.py --deepspeed ds_configs/zero3_ckpt.json [--recipe ...]`."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from a checkout without installing
+
+from memtrain.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()
