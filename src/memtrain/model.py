@@ -15,54 +15,63 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def build_config(section: ModelSection, vocab_size: int, seq_len: int):
     """A transformers config for the recipe, checked for the mistakes users make most."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if section.pretrained:
         if not (Path(section.pretrained) / "config.json").is_file():
             raise UserError(f"model.pretrained: '{section.pretrained}' has no config.json")
         config = AutoConfig.from_pretrained(section.pretrained, local_files_only=True, **section.config)
+        _check_shapes(lambda name: getattr(config, name, None), lambda name: name, vocab_size, seq_len)
     else:
         if section.type not in CONFIG_MAPPING:
             close = difflib.get_close_matches(section.type, list(CONFIG_MAPPING.keys()), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise UserError(f"model.type: unknown transformers model type '{section.type}'{hint}")
-        known = _config_keys(CONFIG_MAPPING[section.type]())
+        default = CONFIG_MAPPING[section.type]()
+        known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
         for key in section.config:
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 raise UserError(f"model.config.{key}: not a {section.type} config key{hint}")
         kwargs = {"vocab_size": vocab_size, **section.config}
+        aliases = getattr(default, "attribute_map", {})  # generic name -> this family's name (n_embd, ...)
+
+        def key(name):  # the spelling the user wrote, for messages
+            return aliases[name] if aliases.get(name) in kwargs else name
+
+        def value(name):
+            # an unset num_key_value_heads means "same as num_attention_heads" to transformers
+            fallback = None if name == "num_key_value_heads" else getattr(default, name, None)
+            return kwargs.get(name, kwargs.get(aliases.get(name, name), fallback))
+
+        # Check before transformers does: its own checks raise without naming the recipe key.
+        _check_shapes(value, key, vocab_size, seq_len)
         try:
             config = AutoConfig.for_model(section.type, **kwargs)
-        except (ValueError, TypeError) as e:
-            raise UserError(f"model.config: {str(e).splitlines()[0]}") from None
-    _check_shapes(config, vocab_size, seq_len)
+        except Exception as e:  # transformers' config validators raise several types
+            raise UserError(f"model.config: {str(e).strip().splitlines()[-1].strip()}") from None
     config.use_cache = False  # training never reads the KV cache
     return config
 
 
-def _config_keys(config) -> set[str]:
-    return set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
-
-
-def _check_shapes(config, vocab_size: int, seq_len: int) -> None:
-    hidden, heads = config.hidden_size, config.num_attention_heads
+def _check_shapes(value, key, vocab_size: int, seq_len: int) -> None:
     for name in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
-        value = getattr(config, name, None)
-        if value is not None and value <= 0:
-            raise UserError(f"model.config.{name}: must be positive (got {value})")
+        v = value(name)
+        if v is not None and v <= 0:
+            raise UserError(f"model.config.{key(name)}: must be positive (got {v})")
+    hidden, heads, kv = value("hidden_size"), value("num_attention_heads"), value("num_key_value_heads")
     if hidden % heads:
-        raise UserError(f"model.config.num_attention_heads: {heads} heads do not divide hidden_size {hidden}")
-    kv = getattr(config, "num_key_value_heads", None)
+        raise UserError(f"model.config.{key('num_attention_heads')}: {heads} heads do not divide "
+                        f"{key('hidden_size')} {hidden}")
     if kv and heads % kv:
-        raise UserError(f"model.config.num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
-    max_pos = getattr(config, "max_position_embeddings", None)
+        raise UserError(f"model.config.num_key_value_heads: {kv} does not divide {key('num_attention_heads')} {heads}")
+    max_pos = value("max_position_embeddings")
     if max_pos is not None and seq_len > max_pos:
-        raise UserError(f"data.seq_len: {seq_len} exceeds the model's max_position_embeddings {max_pos}")
-    if config.vocab_size < vocab_size:
-        raise UserError(f"model.config.vocab_size: {config.vocab_size} is smaller than the tokenizer's {vocab_size}")
+        raise UserError(f"data.seq_len: {seq_len} exceeds the model's {key('max_position_embeddings')} {max_pos}")
+    if value("vocab_size") < vocab_size:
+        raise UserError(f"model.config.vocab_size: {value('vocab_size')} is smaller than the tokenizer's {vocab_size}")
 
 
 def build_model(section: ModelSection, config) -> nn.Module:
@@ -92,11 +101,17 @@ def model_flops_per_token(config, num_params: int, seq_len: int) -> float:
     return 6.0 * num_params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
-def count_params(model: nn.Module, exclude_embeddings: bool = True) -> int:
-    """Parameter count (works on ZeRO-3 partitioned params via ds_numel)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if exclude_embeddings and ("embed" in name or name.endswith("wte.weight") or name.endswith("wpe.weight")):
-            continue
-        total += getattr(p, "ds_numel", p.numel())
+def matmul_params(model: nn.Module) -> int:
+    """Parameters that take part in matmuls: all but embedding lookups, plus a tied LM head.
+
+    Uses `ds_numel` when ZeRO-3 has partitioned the parameters.
+    """
+    def numel(p):
+        return getattr(p, "ds_numel", p.numel())
+
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    total = sum(numel(p) for p in model.parameters() if id(p) not in lookups)
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) in lookups:  # tied: the head matmul still runs
+        total += numel(head.weight)
     return total

@@ -23,7 +23,7 @@ from .ds_config import ac_section, resolve_ds_config, zero_stage
 from .errors import UserError
 from .metrics import (GIB, ActivationMeter, device_memory, device_peak_tflops, host_rss_gib, medians,
                       reset_device_peak, synchronize)
-from .model import build_config, build_model, count_params, decoder_layers, model_flops_per_token
+from .model import build_config, build_model, decoder_layers, matmul_params, model_flops_per_token
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -158,7 +158,7 @@ def train(args: RunArgs) -> dict:
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
     start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
 
-    flops_per_token = model_flops_per_token(config, count_params(model, exclude_embeddings=False),
+    flops_per_token = model_flops_per_token(config, matmul_params(model),
                                             recipe.data.seq_len)
     peak_tflops = t.peak_tflops or device_peak_tflops()
     tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
