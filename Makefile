@@ -6,13 +6,27 @@ NPROC   ?= 2
 RECIPE  ?=
 DS      ?= ds_configs/zero3_ckpt.json
 ARGS    ?=
+SWEEP   ?= recipes/sweeps/tiny-cpu.yaml
+FORCE   ?=
+LAUNCHER ?=
+BUDGET  ?=
+NODES   ?= 1
+GPUS    ?= 0
+TIME    ?=
+PARTITION ?=
+ACCOUNT ?=
+NGPUS   ?=
+DEVICE  ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 export PYTHONPATH := $(abspath src)
 export PYTHONWARNINGS := ignore::FutureWarning
+# DeepSpeed JIT-builds ops (the CPU shm comm op) into this cache; one per venv, so two checkouts never
+# keep invalidating each other's build.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 RECIPE_ARG := $(if $(RECIPE),--recipe $(RECIPE),)
 
-.PHONY: setup train test clean
+.PHONY: setup train test clean sweep report ac-profile slurm-submit test-slurm bench plan
 
 setup: $(VENV)/.installed
 
@@ -26,12 +40,51 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 	touch $@
 
 ## train: the embedded default job (tiny Llama, stdlib text, 2 CPU ranks, ZeRO-3 + full AC)
+# Inputs are checked (and the corpus packed) in one plain process first: a mistake is one line
+# and no launcher or worker starts.
 train: setup
+	$(BIN)/python -m memtrain.validate --world-size $(NPROC) --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
 	$(BIN)/deepspeed --num_gpus $(NPROC) src/train.py --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
+
+## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points)
+sweep: setup
+	$(BIN)/python -m memtrain.sweep $(SWEEP) $(if $(filter 1 yes true,$(FORCE)),--force) $(if $(LAUNCHER),--launcher $(LAUNCHER))
+
+## report: SWEEP's runs (TensorBoard) -> reports/<sweep>/summary.{md,csv} + plots; BUDGET=40GiB names the best point that fits
+report: setup
+	$(BIN)/python -m memtrain.report $(SWEEP) $(if $(BUDGET),--budget $(BUDGET))
+
+## ac-profile: one measured CPU step per AC policy on RECIPE's model -> table + reports/ac_profile.csv (ARGS: e.g. --policies full,op)
+ac-profile: setup
+	$(BIN)/python -m memtrain.ac_profile $(RECIPE_ARG) $(ARGS)
+
+## plan: predicted peak memory per device of RECIPE under DS, per AC policy (fake tensors: seconds on CPU);
+## BUDGET=40GiB adds max micro-batch/sequence and the auto plan; NGPUS= world size; DEVICE=cuda plans for GPUs; ARGS: --json
+plan: setup
+	$(BIN)/python -m memtrain.plan --deepspeed $(DS) $(RECIPE_ARG) $(if $(BUDGET),--budget $(BUDGET)) \
+	  $(if $(NGPUS),--ngpus $(NGPUS)) $(if $(DEVICE),--device $(DEVICE)) $(ARGS)
+
+## slurm-submit: slurm/train.sbatch on NODES whole nodes x GPUS GPUs (GPUS=0: NPROC CPU ranks per node); TIME= PARTITION= ACCOUNT= optional
+slurm-submit: setup
+	mkdir -p runs
+	$(if $(filter 0,$(GPUS)),NPROC_PER_NODE=$(NPROC)) sbatch --nodes=$(NODES) \
+	  $(if $(filter 0,$(GPUS)),--cpus-per-task=$(NPROC),--gpus-per-node=$(GPUS) --exclusive) \
+	  $(if $(TIME),--time=$(TIME)) $(if $(PARTITION),--partition=$(PARTITION)) $(if $(ACCOUNT),--account=$(ACCOUNT)) \
+	  slurm/train.sbatch $(or $(RECIPE),tiny) $(DS) $(ARGS)
+
+## test-slurm: the Slurm tests alone (slurm/local/up.sh installs and starts a local Slurm); also part of `make test`
+test-slurm: setup
+	$(BIN)/python -m pytest -q tests/test_slurm.py $(PYTEST_ARGS)
+
+## bench: recompute/offload set-ups side by side on one GPU, one process each (RECIPE: shape, default llama-1b;
+## ARGS: e.g. --setups torch:noac,memtrain:full+offload --no-search); without a GPU: says so, tiny CPU smoke run, exit 0
+bench: setup
+	$(BIN)/python -m memtrain.bench $(RECIPE_ARG) $(ARGS)
 
 ## test: the whole suite (CPU)
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf runs reports .cache
+	rm -rf runs .cache
+	find reports -mindepth 1 -maxdepth 1 ! -name readme ! -name .keep -exec rm -rf {} + 2>/dev/null || true

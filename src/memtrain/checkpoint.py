@@ -1,12 +1,18 @@
 """Model checkpoints (save/resume) through DeepSpeed's engine, plus per-rank RNG state.
 
 Not to be confused with activation checkpointing (see `memtrain.ac`).
+
+Saves are crash-safe: every rank writes into a hidden temporary directory, and only when all
+ranks are done does rank 0 rename it to `stepNNNNNNNN` and then replace `latest` atomically.
+A process killed mid-save leaves at most a `.tmp-*` directory, which the next save removes;
+a `step*` directory therefore always holds a complete checkpoint, and resume uses the newest.
 """
 from __future__ import annotations
 
 import os
 import random
 import shutil
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +20,9 @@ import numpy as np
 import torch
 
 TAG_PREFIX = "step"
+TMP_PREFIX = ".tmp-"
+# Tests only: SIGKILL rank 0 after its shards are written but before the rename, at this step.
+KILL_IN_SAVE_ENV = "MEMTRAIN_TEST_KILL_IN_SAVE"
 
 
 def tag_for(step: int) -> str:
@@ -39,32 +48,58 @@ def save(engine, ckpt_dir: Path, step: int, keep_last: int) -> str:
     """Save model, optimizer, scheduler and RNG state after `step` completed steps."""
     import deepspeed.comm as dist
 
-    tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step})
-    torch.save(_rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank()}.pt")
+    rank = dist.get_rank()
+    tag, tmp_tag = tag_for(step), f"{TMP_PREFIX}{tag_for(step)}"
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.glob(f"{TMP_PREFIX}*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
-    if dist.get_rank() == 0:
+    engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state={"step": step}, save_latest=False)
+    torch.save(_rng_state(), ckpt_dir / tmp_tag / f"rng_rank{rank}.pt")
+    dist.barrier()  # every rank's shards are on disk
+    if rank == 0:
+        if os.environ.get(KILL_IN_SAVE_ENV) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        final = ckpt_dir / tag
+        if final.exists():  # the same step saved again (e.g. a resumed run preempted at once)
+            old = ckpt_dir / f"{TMP_PREFIX}old-{tag}"
+            os.replace(final, old)
+            os.replace(ckpt_dir / tmp_tag, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(ckpt_dir / tmp_tag, final)
+        atomic_write_text(ckpt_dir / "latest", tag)  # read by DeepSpeed's own tools (zero_to_fp32.py)
         _rotate(ckpt_dir, keep_last)
     dist.barrier()
     return tag
 
 
+def _tags(ckpt_dir: Path) -> list[str]:
+    """Complete checkpoints, oldest first (a `step*` directory only appears by rename)."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p.name for p in ckpt_dir.glob(f"{TAG_PREFIX}*") if p.is_dir())
+
+
 def _rotate(ckpt_dir: Path, keep_last: int) -> None:
-    tags = sorted(p for p in ckpt_dir.glob(f"{TAG_PREFIX}*") if p.is_dir())
-    for old in tags[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in _tags(ckpt_dir)[:-keep_last]:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 
 
-def latest_tag(ckpt_dir: Path) -> Optional[str]:
-    latest = ckpt_dir / "latest"
-    if not latest.is_file():
-        return None
-    tag = latest.read_text().strip()
-    return tag if (ckpt_dir / tag).is_dir() else None
+def latest_tag(ckpt_dir: Optional[Path]) -> Optional[str]:
+    """The newest complete checkpoint. Not `latest`: a kill between rename and its update is harmless."""
+    tags = _tags(ckpt_dir) if ckpt_dir is not None else []
+    return tags[-1] if tags else None
+
+
+def latest_path(ckpt_dir: Optional[Path]) -> Optional[Path]:
+    tag = latest_tag(ckpt_dir)
+    return ckpt_dir / tag if tag else None
 
 
 def load(engine, ckpt_dir: Path) -> int:
-    """Restore the latest checkpoint into `engine`; returns the number of completed steps."""
+    """Restore the newest complete checkpoint into `engine`; returns the number of completed steps."""
     import deepspeed.comm as dist
 
     tag = latest_tag(ckpt_dir)
@@ -75,7 +110,7 @@ def load(engine, ckpt_dir: Path) -> int:
     return int(client_state["step"])
 
 
-def has_checkpoint(ckpt_dir: Path) -> bool:
+def has_checkpoint(ckpt_dir: Optional[Path]) -> bool:
     return latest_tag(ckpt_dir) is not None
 
 

@@ -22,6 +22,7 @@ class RunArgs:
     run_dir: Optional[Path]
     resume: bool
     overwrite: bool
+    recipe_path: Optional[str] = None  # None: the embedded default recipe
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,7 +52,7 @@ def parse_args(argv: Optional[list[str]] = None) -> RunArgs:
     ds_config = load_ds_config(args.deepspeed)
     if args.resume and args.run_dir is None:
         raise UserError("--resume: needs --run-dir naming the run to continue")
-    return RunArgs(recipe, ds_config, args.deepspeed, args.run_dir, args.resume, args.overwrite)
+    return RunArgs(recipe, ds_config, args.deepspeed, args.run_dir, args.resume, args.overwrite, args.recipe)
 
 
 @cli_entry

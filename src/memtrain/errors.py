@@ -13,7 +13,12 @@ class UserError(Exception):
     """
 
 
+class RunFailed(Exception):
+    """The run itself failed (NaN/inf loss, out of memory); summary.json records the same line."""
+
+
 EXIT_USER_ERROR = 2
+EXIT_RUN_FAILED = 1
 
 
 def is_rank_zero() -> bool:
@@ -21,7 +26,7 @@ def is_rank_zero() -> bool:
 
 
 def cli_entry(main):
-    """Wrap a CLI `main` so UserError becomes exactly one stderr line (from rank 0 only)."""
+    """Wrap a CLI `main` so UserError/RunFailed become exactly one stderr line (from rank 0 only)."""
 
     @wraps(main)
     def wrapper(*args, **kwargs):
@@ -32,5 +37,9 @@ def cli_entry(main):
                 msg = " ".join(str(e).split())  # force a single line
                 print(f"memtrain: error: {msg}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except RunFailed as e:
+            if is_rank_zero():
+                print(f"memtrain: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_RUN_FAILED)
 
     return wrapper

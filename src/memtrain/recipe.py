@@ -88,10 +88,29 @@ class TrainSection(_Strict):
 
 class ACSection(_Strict):
     policy: str = "full"
-    """none | full | every:K | first:N (see memtrain.ac). Recompute is on only when the DeepSpeed
-    JSON has an `activation_checkpointing` section; without one the default becomes none."""
+    """none | full | every:K | first:N | sqrt | selective:attn | selective:mlp | op | modules, and
+    compositions such as op+first:4 (see memtrain.ac.POLICY_HELP), or auto (per-layer choice under
+    memory_budget, see memtrain.planner). Recompute is on only when the
+    DeepSpeed JSON has an `activation_checkpointing` section; without one the default becomes none."""
+    segment_len: Optional[PositiveInt] = None
+    """sqrt: layers per segment (default: round(sqrt(L)) of the L layers it covers)."""
+    modules: list[str] = Field(default_factory=list)
+    """policy 'modules': module paths to recompute, '*' = one path part (e.g. model.layers.*.mlp)."""
+    op_save: list[str] = Field(default_factory=lambda: ["matmul", "attention"])
+    """op: ops whose outputs are saved, the rest recomputed: matmul, attention or an aten op name
+    (e.g. mul.Tensor); name/N saves every N-th call only (torchtitan's matmul/2)."""
     backend: Literal["auto", "torch", "deepspeed"] = "auto"
     """auto: DeepSpeed's checkpoint when the JSON asks for partitioning or CPU checkpointing, else torch's."""
+    offload_skip_last: NonNegativeInt = 1
+    """With the JSON's cpu_checkpointing on: the last N recomputed layers keep their checkpointed
+    input on the device (the backward needs them first); all earlier ones go to host memory."""
+    cpu_checkpointing_impl: Literal["memtrain", "deepspeed"] = "memtrain"
+    """Who offloads when the JSON's cpu_checkpointing is on: memtrain (memtrain.offload, either
+    backend) or DeepSpeed's own CPU_CHECKPOINT (for comparison; needs the deepspeed backend)."""
+    memory_budget: Optional[PositiveFloat] = None
+    """policy 'auto': GiB per device the predicted peak must fit (memtrain.planner picks, per layer,
+    keep/op/attn/mlp/full/full+offload with the least predicted step time). On CPU the budget
+    applies to the predicted model states + activations, not to the process RSS."""
 
 
 class Recipe(_Strict):

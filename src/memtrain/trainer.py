@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import time
 from contextlib import nullcontext
 from datetime import datetime
@@ -16,14 +17,16 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .ac import apply_plan, build_plan, configure_deepspeed_ac, effective_policy
+from .ac import apply_plan, configure_deepspeed_ac
 from .cli import RunArgs
-from .data import build_tokenizer, prepare_data, resolve_files
-from .ds_config import ac_section, resolve_ds_config, zero_stage
-from .errors import UserError
+from .data import prepare_data
+from .ds_config import resolve_ds_config, zero_stage
+from .errors import EXIT_RUN_FAILED, RunFailed, UserError
+from .faults import Progress, is_oom, nonfinite_loss_message, oom_message, write_failure
 from .metrics import (GIB, ActivationMeter, device_memory, device_peak_tflops, host_rss_gib, medians,
                       reset_device_peak, synchronize)
-from .model import build_config, build_model, decoder_layers, matmul_params, model_flops_per_token
+from .model import build_model, matmul_params, model_flops_per_token
+from .validate import check_run
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -43,7 +46,9 @@ def _share_cpu_cores() -> None:
     """On CPU, ranks on one node split the cores; oversubscribed threads stall every collective."""
     if not torch.cuda.is_available():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # Under Slurm a launcher owns only its task's CPUs (several launchers may share a node).
+        cores = int(os.environ.get("SLURM_CPUS_PER_TASK", 0)) or os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // local_world))
 
 
 def _seed_everything(seed: int) -> None:
@@ -66,8 +71,10 @@ class StopFlag:
     def agreed(self) -> bool:
         import deepspeed.comm as dist
 
-        flag = torch.tensor([1.0 if self.signal_name else 0.0])
+        flag = torch.tensor([float(signal.Signals[self.signal_name]) if self.signal_name else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not self.signal_name:  # another rank got it: record which, for summary.json
+            self.signal_name = signal.Signals(int(flag.item())).name
         return bool(flag.item())
 
 
@@ -77,15 +84,6 @@ def _choose_run_dir(args: RunArgs) -> Path:
     chosen = [str(args.run_dir) if args.run_dir else f"runs/{args.recipe.name}-{datetime.now():%Y%m%d-%H%M%S}"]
     dist.broadcast_object_list(chosen, src=0)  # one timestamp for all ranks
     return Path(chosen[0])
-
-
-def _check_run_dir(args: RunArgs) -> None:
-    ckpt_dir = args.run_dir / "checkpoints" if args.run_dir else None
-    if args.resume and not checkpoint.has_checkpoint(ckpt_dir):
-        raise UserError(f"--resume: no model checkpoint in {ckpt_dir}")
-    if args.run_dir and (args.run_dir / "config.json").exists() and not (args.resume or args.overwrite):
-        raise UserError(f"--run-dir {args.run_dir}: already holds a run; pass --resume to continue it "
-                        "or --overwrite to replace it")
 
 
 def _prepare_data_everywhere(recipe):
@@ -108,21 +106,41 @@ def _prepare_data_everywhere(recipe):
 
 
 def train(args: RunArgs) -> dict:
+    """Train; a NaN/inf loss or an OOM ends it with one line and summary.json status failed/oom."""
+    progress = Progress(world=int(os.environ.get("WORLD_SIZE", 1)), rank=int(os.environ.get("RANK", 0)))
+    try:
+        try:
+            return _train(args, progress)
+        finally:
+            if progress.bar is not None:
+                progress.bar.close()  # an error line must not share a line with the bar
+    except RunFailed as e:  # non-finite loss: every rank sees the same all-reduced value
+        if progress.rank == 0:
+            write_failure(progress, "failed", str(e))
+        raise
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        reason = oom_message(progress, args.recipe, args.ds_config)
+        write_failure(progress, "oom", reason)
+        if progress.world == 1:
+            raise RunFailed(reason) from None
+        # Other ranks may wait in a collective forever: report from this rank and leave at once;
+        # the launcher then stops the rest.
+        print(f"memtrain: error: {reason}", file=sys.stderr, flush=True)
+        os._exit(EXIT_RUN_FAILED)
+
+
+def _train(args: RunArgs, progress: Progress) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     recipe = args.recipe
     t = recipe.train
     world = int(os.environ.get("WORLD_SIZE", 1))
 
-    # --- validate everything cheap before any distributed work
-    resolve_files(recipe.data)
-    tokenizer = build_tokenizer(recipe.data.tokenizer)
-    config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
-    ds_ac = ac_section(args.ds_config)
-    plan = build_plan(effective_policy(recipe.activation_checkpointing, args.ds_config),
-                      recipe.activation_checkpointing.backend,
-                      ds_ac, config.num_hidden_layers)
-    _check_run_dir(args)
+    # --- validate everything before any distributed work: the same check `make train` runs first
+    checked = check_run(args, world)
+    config, plan = checked.config, checked.plan
 
     # --- distributed set-up
     _single_process_env()
@@ -133,30 +151,42 @@ def train(args: RunArgs) -> dict:
     _share_cpu_cores()
     deepspeed.init_distributed(verbose=False)
     rank = dist.get_rank()
+    memory_plan = checked.memory_plan
+    if memory_plan is not None:  # policy auto: every rank runs rank 0's choice (its step-time model timed the device)
+        shared = [plan, memory_plan]
+        dist.broadcast_object_list(shared, src=0)
+        plan, memory_plan = shared
     run_dir = _choose_run_dir(args)
     ckpt_dir = run_dir / "checkpoints"
+    progress.run_dir = run_dir
     ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.num_recomputed)
     if rank == 0:
+        if args.overwrite:  # stale events or checkpoints must not mix into the new run
+            _clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(
             {"recipe": recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
              "world_size": world, "ac_plan": plan.to_dict()}, indent=2))
         print(plan.describe(), flush=True)
+        if memory_plan is not None:
+            print(memory_plan.describe(), flush=True)
+        for warning in checked.warnings:
+            print(f"warning: {warning}", flush=True)
     data = _prepare_data_everywhere(recipe)
 
     # --- model, AC hooks, engine
     _seed_everything(t.seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero_stage(ds_config) == 3):
         model = build_model(recipe.model, config)
-    _, layers = decoder_layers(model)
     if plan.backend == "deepspeed":
-        configure_deepspeed_ac(ds_config)
-    apply_plan(layers, plan)
+        configure_deepspeed_ac(ds_config, plan)
+    apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
     model.train()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
     start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
+    progress.step = start
 
     flops_per_token = model_flops_per_token(config, matmul_params(model),
                                             recipe.data.seq_len)
@@ -168,7 +198,8 @@ def train(args: RunArgs) -> dict:
     status, step, last_loss = "completed", start, float("nan")
     started = time.time()
 
-    bar = tqdm(total=t.max_steps, initial=start, disable=rank != 0, desc=recipe.name, unit="step", dynamic_ncols=True)
+    bar = progress.bar = tqdm(total=t.max_steps, initial=start, disable=rank != 0, desc=recipe.name, unit="step",
+                              dynamic_ncols=True)
     reset_device_peak()
     for step in range(start, t.max_steps):
         if stop.agreed():
@@ -187,13 +218,16 @@ def train(args: RunArgs) -> dict:
         step_s = time.perf_counter() - t0
         dist.all_reduce(loss_sum)
         last_loss = loss_sum.item() / (world * t.grad_accum_steps)
-        if not math.isfinite(last_loss):
-            status = "failed"
-            raise FloatingPointError(f"loss is {last_loss} at step {step + 1}")
+        if not math.isfinite(last_loss):  # stop before anything saves it; the last checkpoint stays good
+            raise RunFailed(nonfinite_loss_message(last_loss, step + 1, t.max_steps, run_dir, t))
 
-        done = step + 1
+        done = progress.step = step + 1
         row = _step_metrics(engine, last_loss, step_s, tokens_per_step, world, t.micro_batch_size * t.grad_accum_steps,
                             flops_per_token, peak_tflops, meter.bytes)
+        if memory_plan is not None:  # memtrain.memory_model's prediction, beside the measured figures
+            row["memory/predicted_peak_gib"] = memory_plan.prediction.peak / GIB
+        if plan.memtrain_offload:  # host bytes that memtrain's cpu_checkpointing took off the device
+            row["memory/offloaded_activation_gib"] = meter.offloaded_bytes / GIB
         if done > t.metric_warmup_steps or t.max_steps <= t.metric_warmup_steps:
             history.append(row)
         else:  # warm-up: keep loss/lr/memory in TensorBoard, but no throughput figures
@@ -225,12 +259,24 @@ def train(args: RunArgs) -> dict:
         "run_dir": str(run_dir),
         "tensorboard": str(run_dir / "tb"),
     }
+    if memory_plan is not None:
+        summary["memory_plan"] = memory_plan.to_dict()
     if rank == 0:
         checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
         print(f"{status}: {completed} steps, final loss {last_loss:.4f}; "
               f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'})", flush=True)
     dist.barrier()
     return summary
+
+
+def _clear_run(run_dir: Path) -> None:
+    """--overwrite: remove what a previous run left (validation has run; the user asked for it)."""
+    import shutil
+
+    for name in ("tb", "checkpoints"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    for name in ("summary.json", "config.json"):
+        (run_dir / name).unlink(missing_ok=True)
 
 
 def _step_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_rank, flops_per_token,

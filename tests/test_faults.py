@@ -1,0 +1,97 @@
+"""Faults: a kill in the middle of a save, a NaN loss, an out-of-memory error."""
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import torch
+
+from conftest import FAST, ROOT, TRAIN, _env, assert_ok, run_train
+from memtrain.checkpoint import KILL_IN_SAVE_ENV, tag_for
+from memtrain.faults import Progress, is_oom, oom_message, write_failure
+from memtrain.recipe import load_recipe
+from memtrain.tb import read_scalars
+
+
+def _losses_per_file(tb_dir):
+    """{events file: {step: loss}}, oldest file first."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for f in sorted(tb_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        out[f.name] = {e.step: e.value for e in acc.Scalars("train/loss")}
+    return list(out.values())
+
+
+def test_kill_during_save_then_resume_from_previous_good_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    args = [*FAST, "--max-steps", "6", "--set", "train.save_interval=2", "--run-dir", str(run)]
+    env = {**_env(), KILL_IN_SAVE_ENV: "4"}  # SIGKILL after step 4's shards are written, before the rename
+    killed = subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (ckpt / f".tmp-{tag_for(4)}").is_dir() and not (ckpt / tag_for(4)).exists()
+    assert (ckpt / "latest").read_text() == tag_for(2)  # never points at the partial save
+
+    resumed = run_train([*args, "--resume"])
+    assert_ok(resumed)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    assert not list(ckpt.glob(".tmp-*")) and (ckpt / "latest").read_text() == tag_for(6)
+    first, second = _losses_per_file(run / "tb")
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [3, 4, 5, 6]  # resumed after step 2
+    assert [second[3], second[4]] == [first[3], first[4]]  # and recomputed steps 3-4 exactly
+    assert [s for s, _ in read_scalars(run / "tb")["train/loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_nan_loss_stops_with_step_last_good_checkpoint_and_hint(tmp_path):
+    """GPT-2's LayerNorm turns weights blown up by lr=1e6 into a NaN loss within a few steps.
+
+    The run directory holds an older run, replaced with --overwrite: none of it may remain."""
+    run = tmp_path / "run"
+    stale_events = run / "tb" / "events.out.tfevents.0.stale"
+    stale_events.parent.mkdir(parents=True)
+    stale_events.write_bytes(b"")
+    (run / "checkpoints" / tag_for(99)).mkdir(parents=True)
+    (run / "summary.json").write_text('{"status": "completed"}')
+    proc = run_train(["--recipe", str(ROOT / "recipes" / "gpt2-small.yaml"), *FAST, "--max-steps", "12",
+                      "--set", "train.save_interval=2", "--set", "train.lr=1e6", "--set", "train.warmup_steps=1",
+                      "--run-dir", str(run), "--overwrite"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "memtrain: error:" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    m = re.search(r"memtrain: error: loss is (nan|inf|-inf) at step (\d+) of 12; last good checkpoint: (\S+) "
+                  r"\(kept; continue from it with --resume --run-dir (\S+)\); hint: lower train.lr \(now 1e\+06\)",
+                  errors[0])
+    assert m, errors[0]
+    step, good = int(m.group(2)), m.group(3)
+    assert good == str(run / "checkpoints" / tag_for(2 * ((step - 1) // 2)))  # the last save before the NaN
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*"))[-1] == tag_for(2 * ((step - 1) // 2))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == step - 1
+    assert summary["reason"] == errors[0].split("memtrain: error: ", 1)[1]
+    assert summary["last_checkpoint"] == good
+    assert not stale_events.exists() and not (run / "checkpoints" / tag_for(99)).exists()
+
+
+def test_out_of_memory_report(tmp_path):
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the real CPU allocator refuses
+        raise AssertionError("allocation of 1 PiB succeeded")
+    except RuntimeError as e:
+        error = e
+    assert is_oom(error) and not is_oom(RuntimeError("shape mismatch"))
+    recipe = load_recipe(None, ["train.micro_batch_size=4"])
+    progress = Progress(world=2, rank=1, run_dir=tmp_path, step=6)
+    line = oom_message(progress, recipe, json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text()))
+    assert "\n" not in line
+    assert re.match(r"out of memory at step 7 on rank 1: peak host RSS \d+\.\d\d GiB of \d+\.\d\d GiB; ", line), line
+    assert "train.micro_batch_size (now 4)" in line or "planner:" in line
+    write_failure(progress, "oom", line)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "oom" and summary["reason"] == line and summary["steps"] == 6
