@@ -58,7 +58,7 @@ SlurmdPort=16818
 SlurmUser=slurm
 SlurmdUser=root
 AuthType=auth/munge
-# A requeued job waits cred_expire seconds before it may start again (default 120).
+# A requeued job may start again only after cred_expire seconds (default 120).
 AuthInfo=cred_expire=5
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool
@@ -73,7 +73,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 # Reject impossible requests at submit time instead of leaving them pending forever.
 EnforcePartLimits=ALL
-SchedulerParameters=batch_sched_delay=0,bf_interval=1
+# Start jobs at once; the periodic pass (what starts a requeued job) every 2 s, not 60 s.
+SchedulerParameters=batch_sched_delay=0,sched_interval=2
 MpiDefault=none
 SwitchType=switch/none
 JobCompType=jobcomp/none

@@ -4,7 +4,7 @@ Each array task runs `slurm/train.sbatch --points FILE` (so a preempted point sa
 itself and resumes, like any memtrain Slurm job). This process waits for the array, then leaves
 the same run directories and `summary.json` files as the local launcher, so `make report` reads
 them the same way. Resources beyond the per-point ranks come from the usual `SBATCH_*`
-variables (SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT, ...).
+variables (SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT, SBATCH_CPUS_PER_GPU, ...).
 """
 from __future__ import annotations
 

@@ -148,6 +148,7 @@ def _train(args: RunArgs, progress: Progress) -> dict:
     import deepspeed.comm as dist
     from tqdm import tqdm
 
+    stop = StopFlag()  # from here on a stop signal is honoured at the first step boundary, not lost
     _share_cpu_cores()
     deepspeed.init_distributed(verbose=False)
     rank = dist.get_rank()
@@ -193,7 +194,6 @@ def _train(args: RunArgs, progress: Progress) -> dict:
     peak_tflops = t.peak_tflops or device_peak_tflops()
     tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
     meter = ActivationMeter()
-    stop = StopFlag()
     history: list[dict[str, float]] = []
     status, step, last_loss = "completed", start, float("nan")
     started = time.time()
