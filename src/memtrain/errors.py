@@ -25,11 +25,22 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _name_cpu_accelerator() -> None:
+    """Without CUDA, name DeepSpeed's accelerator: its auto-detection logs a warning on stderr at
+    import, which would turn a one-line error into two lines."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def cli_entry(main):
     """Wrap a CLI `main` so UserError/RunFailed become exactly one stderr line (from rank 0 only)."""
 
     @wraps(main)
     def wrapper(*args, **kwargs):
+        _name_cpu_accelerator()
         try:
             return main(*args, **kwargs)
         except UserError as e:
