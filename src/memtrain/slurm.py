@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -65,7 +64,7 @@ def task_exit_code(job: str) -> int:
 
 def run_array(sweep, points, progress) -> None:
     """Submit every point as one array task, wait for all, record each point as it ends."""
-    from .sweep import last_step, prepare_point, record_outcome, _tail
+    from .sweep import finish_point, last_step, prepare_point, tail
 
     listing = sweep.runs_dir / "slurm-points.jsonl"
     listing.parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +84,7 @@ def run_array(sweep, points, progress) -> None:
             states = queued_tasks(array_id)
             running = [i for i in pending if states.get(str(i)) == "RUNNING"]
             if running:  # the bar follows the first running task
-                step = last_step(_tail(sweep.runs_dir / f"slurm-{array_id}_{running[0]}.out"))
+                step = last_step(tail(sweep.runs_dir / f"slurm-{array_id}_{running[0]}.out"))
                 progress.step(pending[running[0]], f"{len(running)} running, "
                               + ("starting" if step is None else f"step {step}"))
             for index, point in list(pending.items()):
@@ -95,10 +94,7 @@ def run_array(sweep, points, progress) -> None:
                 # The task has left the queue: its log becomes the point's stderr.log.
                 if log.exists():
                     os.replace(log, point.run_dir / "stderr.log")
-                summary = record_outcome(point, task_exit_code(f"{array_id}_{index}"))
-                if summary["status"] == "completed" and not sweep.spec.keep_checkpoints:
-                    shutil.rmtree(point.run_dir / "checkpoints", ignore_errors=True)
-                progress.done(point, summary)
+                finish_point(sweep, point, task_exit_code(f"{array_id}_{index}"), progress)
                 del pending[index]
     except KeyboardInterrupt:
         progress.bar.write(f"array job {array_id} keeps running on the cluster; `scancel {array_id}` stops it")

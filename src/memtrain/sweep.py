@@ -280,7 +280,7 @@ def last_step(stderr_tail: str) -> Optional[int]:
     return int(found[-1][0]) if found else None
 
 
-def _tail(path: Path, size: int = 4096) -> str:
+def tail(path: Path, size: int = 4096) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
@@ -340,7 +340,7 @@ def run_deepspeed(sweep: Sweep, points: list[Point], progress: Progress) -> None
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True)
             try:
                 while proc.poll() is None:
-                    step = last_step(_tail(stderr_log))
+                    step = last_step(tail(stderr_log))
                     progress.step(point, "starting" if step is None else f"step {step}")
                     time.sleep(0.5)
             except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see main)

@@ -31,7 +31,7 @@ from .validate import check_run
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """`python src/train.py` without a launcher: a world of one."""
     if "RANK" in os.environ:
         return
@@ -143,7 +143,7 @@ def _train(args: RunArgs, progress: Progress) -> dict:
     config, plan = checked.config, checked.plan
 
     # --- distributed set-up
-    _single_process_env()
+    single_process_env()
     import deepspeed
     import deepspeed.comm as dist
     from tqdm import tqdm

@@ -67,7 +67,7 @@ def _plain(setup: Setup, recipe: Recipe, config, device: torch.device):
 def _zero3(setup: Setup, recipe: Recipe, config, ds_path: str):
     import deepspeed
 
-    from ..trainer import _single_process_env
+    from ..trainer import single_process_env
 
     raw = copy.deepcopy(load_ds_config(ds_path))
     for key in MONITORS:
@@ -78,7 +78,7 @@ def _zero3(setup: Setup, recipe: Recipe, config, ds_path: str):
         update={"policy": setup.ac, "backend": setup.backend, "cpu_checkpointing_impl": setup.impl})
     plan = build_plan(effective_policy(section, raw), section.backend, ac_section(raw), config.num_hidden_layers,
                       section=section)
-    _single_process_env()
+    single_process_env()
     deepspeed.init_distributed(verbose=False)
     ds_config = resolve_ds_config(raw, recipe, 1, Path(tempfile.gettempdir()), plan.num_recomputed)  # no monitors
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
