@@ -16,7 +16,7 @@ per policy on the same random token batch and writes a table (stdout) and a CSV
   recomputes the backward only frees activations, so these samples contain the peak.
   Gradients and the backward's own temporaries are not activations and are not counted;
 * flops_total: forward + backward + recompute FLOPs (`torch.utils.flop_counter.FlopCounterMode`,
-  with CPU flash-attention formulas added);
+  with `memtrain.flops`' formulas for CPU flash attention and MoE `aten._grouped_mm` added);
 * recompute_overhead: flops_total / flops_total(none) - 1;
 * max_grad_rel_err: max over parameters of ||g - g_none|| / ||g_none|| (fp32, same seed).
 """
@@ -106,22 +106,6 @@ class _RecomputeWatch(TorchDispatchMode):
         return out
 
 
-def _flop_formulas() -> dict:
-    """FlopCounterMode counts CUDA attention kernels only; add the CPU flash-attention ones."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    aten = torch.ops.aten
-
-    def forward(query, key, value, *args, out_shape=None, **kwargs):
-        return sdpa_flop_count(query, key, value)
-
-    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
-        return sdpa_backward_flop_count(grad_out, query, key, value)
-
-    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
-
-
 class _Totals:
     """Stands in for FlopCounterMode's per-module tracker: its hooks on every module output
     would keep recomputed tensors alive through the backward (inflating peak_backward_bytes)."""
@@ -138,7 +122,9 @@ class _Totals:
 def _flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False, custom_mapping=_flop_formulas())
+    from . import flops  # noqa: F401  registers the CPU flash-attention and aten._grouped_mm formulas
+
+    counter = FlopCounterMode(display=False)
     counter.mod_tracker = _Totals()
     return counter
 

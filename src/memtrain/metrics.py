@@ -11,9 +11,6 @@ from torch import nn
 
 GIB = float(1 << 30)
 
-# Dense bf16 peak TFLOP/s per device, for MFU when the recipe does not give one.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
-
 _ACTIVE_METER: Optional["ActivationMeter"] = None
 
 
@@ -101,13 +98,6 @@ def host_rss_gib() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / GIB
-
-
-def device_peak_tflops() -> Optional[float]:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def synchronize() -> None:

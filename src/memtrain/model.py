@@ -95,23 +95,3 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
             return name, module
     raise UserError(f"model: {type(model).__name__} has no list of transformers GradientCheckpointingLayer layers")
 
-
-def model_flops_per_token(config, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token without recompute: 6N + 12·L·h·s (PaLM appendix B)."""
-    return 6.0 * num_params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
-
-
-def matmul_params(model: nn.Module) -> int:
-    """Parameters that take part in matmuls: all but embedding lookups, plus a tied LM head.
-
-    Uses `ds_numel` when ZeRO-3 has partitioned the parameters.
-    """
-    def numel(p):
-        return getattr(p, "ds_numel", p.numel())
-
-    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    total = sum(numel(p) for p in model.parameters() if id(p) not in lookups)
-    head = model.get_output_embeddings()
-    if head is not None and id(head.weight) in lookups:  # tied: the head matmul still runs
-        total += numel(head.weight)
-    return total

@@ -23,9 +23,10 @@ from .data import prepare_data
 from .ds_config import resolve_ds_config, zero_stage
 from .errors import EXIT_RUN_FAILED, RunFailed, UserError
 from .faults import Progress, is_oom, nonfinite_loss_message, oom_message, write_failure
-from .metrics import (GIB, ActivationMeter, device_memory, device_peak_tflops, host_rss_gib, medians,
+from .flops import device_peak_tflops, model_flops_per_token
+from .metrics import (GIB, ActivationMeter, device_memory, host_rss_gib, medians,
                       reset_device_peak, synchronize)
-from .model import build_model, matmul_params, model_flops_per_token
+from .model import build_model
 from .validate import check_run
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -189,8 +190,7 @@ def _train(args: RunArgs, progress: Progress) -> dict:
     start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
     progress.step = start
 
-    flops_per_token = model_flops_per_token(config, matmul_params(model),
-                                            recipe.data.seq_len)
+    flops_per_token = model_flops_per_token(config, recipe.data.seq_len)
     peak_tflops = t.peak_tflops or device_peak_tflops()
     tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
     meter = ActivationMeter()
