@@ -217,25 +217,22 @@ def test_zero3_two_ranks_with_cpu_checkpointing(tmp_path):
 
 # --------------------------------------------------------------------------- the benchmark's pieces
 
-def test_bench_worker_zero3_torch_backend_offload(tmp_path):
-    """One bench worker process: ZeRO-3 (world of one), torch's checkpoint, memtrain's offload."""
-    import subprocess
-    import sys
+def test_bench_runs_the_trainer_with_offload(tmp_path):
+    """A bench set-up is the trainer itself (src/train.py) with bench settings: random tokens, no
+    model checkpoint, figures from its summary.json; the plain baseline is its own process."""
+    from memtrain.bench.__main__ import Runner
 
-    from conftest import _env
-
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "memtrain.bench.worker", "--setup", "memtrain:full+offload@torch",
-                           "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--steps", "1", "--warmup", "1",
-                           "--set", "model.config.num_hidden_layers=2", "--set", "data.seq_len=64",
-                           "--set", "train.micro_batch_size=2", "--out", str(out)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert_ok(proc)
-    result = json.loads(out.read_text())
-    assert not result["oom"] and result["tokens_per_s"] > 0 and result["peak_gib"] is None  # CPU: no GPU peak
-    assert "torch.utils.checkpoint" in result["plan"] and "memtrain offload of 1/2" in result["plan"]
+    run = Runner(None, ["model.config.num_hidden_layers=2", "data.seq_len=64", "train.micro_batch_size=2"],
+                 str(ROOT / "ds_configs" / "zero3_ckpt.json"), steps=2, warmup=1, ngpus=1)
+    result = run("memtrain:full+offload@torch")
+    assert "error" not in result, result
+    assert result["tokens_per_s"] > 0 and result["peak_gib"] is None  # CPU: no GPU peak
+    assert result["plan"] == "RR" and result["world_size"] == 1
     # layer 0's input (micro-batch 2 x seq 64 x hidden 128, float32) went to host; layer 1's stayed
     assert result["offloaded_gib"] * 2**30 == 2 * 64 * 128 * 4
+    assert not list(run.tmp.glob("*/checkpoints"))  # bench settings: no model checkpoint written
+    plain = run("torch:noac")
+    assert "error" not in plain and plain["tokens_per_s"] > 0 and plain["world_size"] == 1
 
 
 def test_bench_setups_search_and_table():
@@ -244,8 +241,9 @@ def test_bench_setups_search_and_table():
     from memtrain.bench.table import markdown, targets
 
     s = parse_setup("memtrain:op+first:4+offload@torch")
-    assert (s.zero3, s.ac, s.backend, s.cpu_checkpointing, s.impl) == (True, "op+first:4", "torch", True, "memtrain")
-    assert parse_setup("deepspeed:cpu-ckpt").impl == "deepspeed" and not parse_setup("torch:sac").zero3
+    assert (s.trainer, s.ac, s.backend, s.cpu_checkpointing, s.impl) == (True, "op+first:4", "torch", True, "memtrain")
+    assert parse_setup("deepspeed:cpu-ckpt").impl == "deepspeed" and not parse_setup("torch:sac").trainer
+    assert parse_setup("memtrain:full").backend == "auto"
     with pytest.raises(UserError, match="--setups"):
         parse_setup("memtrain:full@jax")
 
@@ -256,7 +254,7 @@ def test_bench_setups_search_and_table():
 
     def row(name, tok, peak, mb=8):
         return {"setup": name, "label": parse_setup(name).label, "micro_batch": mb, "tokens_per_s": tok,
-                "peak_gib": peak, "activation_gib": 1.0, "offloaded_gib": 0.0, "forward_retained_gib": 2.0}
+                "peak_gib": peak, "activation_gib": 1.0, "offloaded_gib": 0.0, "predicted_peak_gib": peak * 1.02}
 
     results = [row("torch:noac", 100.0, 50.0), row("torch:hf-ac", 80.0, 20.0), row("memtrain:full", 90.0, 25.0),
                row("memtrain:full+offload", 81.0, 19.0),

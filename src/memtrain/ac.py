@@ -52,7 +52,7 @@ _SUBLAYERS = {ATTN: ("self_attn", "attn", "attention", "self_attention"),
               MLP: ("mlp", "feed_forward", "ffn", "block_sparse_moe")}
 DEFAULT_OP_SAVE = ("matmul", "attention")
 OP_GROUPS = {
-    "matmul": ("mm", "addmm", "bmm", "baddbmm"),
+    "matmul": ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm"),
     "attention": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                   "_flash_attention_forward", "_efficient_attention_forward"),
@@ -356,8 +356,11 @@ def _metered(caching):
         yield
     meter = current_activation_meter()
     if meter is not None:
-        meter.retain(getattr(w, "val", None) for entries in caching.storage.values()
-                     for entry in entries.values() for w in tree_leaves(entry))
+        # torch 2.13 keeps a dict per op, torch 2.11 (the GPU image's) a list; entries are
+        # version wrappers (`.val`) or the tensors themselves
+        meter.retain(getattr(w, "val", w) for entries in caching.storage.values()
+                     for entry in (entries.values() if isinstance(entries, dict) else entries)
+                     for w in tree_leaves(entry))
 
 
 # --------------------------------------------------------------------------- checkpoint functions

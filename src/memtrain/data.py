@@ -155,6 +155,30 @@ class PackedData:
         return self._perm[1]
 
 
+@dataclass
+class RandomTokens:
+    """`data.random_tokens`: seeded random ids in [0, vocab_size), the same interface as PackedData.
+    A batch is a pure function of its position, like PackedData's, so resume stays exact."""
+
+    vocab_size: int
+    seq_len: int
+    seed: int
+
+    def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> torch.Tensor:
+        first = ((step * grad_accum + micro) * world + rank) * micro_batch
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + first)
+        return torch.randint(0, self.vocab_size, (micro_batch, self.seq_len), generator=generator)
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch -> device without blocking the host: pinned memory and a non-blocking copy on the
+    current stream (ordered before the forward that reads it; the caching host allocator keeps the
+    pinned buffer alive until the copy is done)."""
+    if device.type != "cuda":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 def prepare_data(cfg: DataSection, seed: int, build: bool = True) -> PackedData:
     """Tokenize and pack the corpus, or load the cached packing. `build=False` only loads."""
     files = resolve_files(cfg)

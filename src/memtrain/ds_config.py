@@ -73,8 +73,14 @@ def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path,
     _fill(cfg, "gradient_clipping", t.grad_clip)
     _fill(cfg, "optimizer.params.lr", t.lr)
     _fill(cfg, "optimizer.params.weight_decay", t.weight_decay)
-    # DeepSpeed's FusedAdam is a CUDA kernel; elsewhere use torch's AdamW (same math).
-    _fill(cfg, "optimizer.params.torch_adam", not torch.cuda.is_available())
+    # "auto": torch's AdamW (the same math as DeepSpeed's FusedAdam), fused on a GPU, so that no
+    # launch JIT-builds a DeepSpeed op. An offloaded optimizer keeps DeepSpeed's CPU Adam.
+    if _get(cfg, "optimizer.params.torch_adam") == AUTO:
+        offloaded = (_get(cfg, "zero_optimization.offload_optimizer.device") or "none") != "none"
+        cfg["optimizer"]["params"]["torch_adam"] = not offloaded
+        params = cfg["optimizer"]["params"]
+        if not offloaded and torch.cuda.is_available() and "foreach" not in params:
+            params.setdefault("fused", True)
     _fill(cfg, "scheduler.params.total_num_steps", t.max_steps)
     _fill(cfg, "scheduler.params.warmup_num_steps", t.warmup_steps)
     _fill(cfg, "scheduler.params.cos_min_ratio", t.min_lr / t.lr)

@@ -190,9 +190,9 @@ def recompute_flops_per_token(config, seq_len: int, layers: tuple[str, ...]) -> 
 # --------------------------------------------------------------------------- FlopCounterMode formulas
 
 def _register_flop_formulas() -> None:
-    """Teach FlopCounterMode (torch 2.13) the ops it does not count: aten._grouped_mm (MoE
-    experts in transformers 5) and SDPA's CPU flash-attention kernel and its backward (counted
-    like the CUDA SDPA kernels). Registers each formula once, and none torch already has."""
+    """Teach FlopCounterMode the ops it does not count: aten._grouped_mm (MoE experts in
+    transformers 5; torch 2.13 has no formula) and SDPA's CPU flash-attention kernel and its
+    backward (counted like the CUDA SDPA kernels, grouped-query shapes included)."""
     from torch.utils.flop_counter import (flop_registry, register_flop_formula, sdpa_backward_flop_count,
                                           sdpa_flop_count)
 
@@ -209,18 +209,28 @@ def _register_flop_formulas() -> None:
                 return 2 * a_shape[0] * a_shape[1] * b_shape[1]
             return 2 * math.prod(out_shape) * a_shape[-1]
 
-    cpu_flash = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if cpu_flash is not None and cpu_flash not in flop_registry:
-        @register_flop_formula(cpu_flash)
-        def _cpu_flash_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return sdpa_flop_count(query_shape, key_shape, value_shape)
+    # SDPA: the CPU flash kernel (torch counts only the CUDA ones), and grouped-query shapes for all
+    # of them (torch < 2.13, e.g. the 2.11 of the GPU image, asserts on K/V with fewer heads than Q;
+    # the kernels broadcast K/V to the query heads, so that is what is counted). Replacing torch's
+    # own CUDA entries with these gives its 2.13 counts on any version.
+    from torch.utils.flop_counter import shape_wrapper
 
-    cpu_flash_bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if cpu_flash_bwd is not None and cpu_flash_bwd not in flop_registry:
-        @register_flop_formula(cpu_flash_bwd)
-        def _cpu_flash_bwd_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                                **kwargs) -> int:
-            return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    def broadcast(query, key, value):
+        heads = query[1]
+        return query, (*key[:1], heads, *key[2:]), (*value[:1], heads, *value[2:])
+
+    def sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(*broadcast(query_shape, key_shape, value_shape))
+
+    def sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out_shape, *broadcast(query_shape, key_shape, value_shape))
+
+    for kernel in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+        for op, formula in ((getattr(aten, kernel, None), sdpa), (getattr(aten, kernel + "_backward", None),
+                                                                 sdpa_backward)):
+            if op is not None:
+                flop_registry[op] = shape_wrapper(formula)
 
 
 _register_flop_formulas()  # at import; FlopCounterMode copies the registry when constructed

@@ -110,3 +110,32 @@ def medians(history: list[dict[str, float]], skip: int) -> dict[str, float]:
     rows = history[skip:] or history
     tags = sorted({k for row in rows for k in row})
     return {tag: statistics.median(row[tag] for row in rows if tag in row) for tag in tags}
+
+
+class IntervalTimer:
+    """Seconds of device time between `start()` and `stop()`: CUDA events on a GPU (no host sync
+    until `stop`, which waits for the interval's last kernel), the wall clock on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._t0 = 0.0
+        if self.cuda:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self._begin.record()
+        else:
+            import time
+
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            return self._begin.elapsed_time(self._end) / 1e3
+        import time
+
+        return time.perf_counter() - self._t0

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, NonNegativeInt
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
+                      ValidationError)
 
 from .errors import UserError
 
@@ -63,6 +64,9 @@ class DataSection(_Strict):
     """Read at most this many bytes of text (keeps the default corpus small)."""
     cache_dir: str = ".cache/memtrain"
     """Packed token arrays are cached here, keyed by files, tokenizer and seq_len."""
+    random_tokens: bool = False
+    """Train on seeded random token ids over the model's vocabulary instead of files (benchmarks:
+    throughput and memory do not depend on what the tokens say). No file is read."""
 
 
 class TrainSection(_Strict):
@@ -75,13 +79,18 @@ class TrainSection(_Strict):
     weight_decay: float = Field(0.1, ge=0)
     grad_clip: float = Field(1.0, ge=0)
     seed: int = 1234
-    log_interval: PositiveInt = 1
+    log_every: Optional[PositiveInt] = Field(None, validation_alias=AliasChoices("log_every", "log_interval"))
+    """Reduce the loss, agree on stop signals and log metrics every N steps (and at the last step).
+    Default: the JSON's steps_per_print if it sets one, else 10. Between these boundaries a step
+    never waits for the device. (`log_interval` is accepted as an old name.)"""
     metric_warmup_steps: NonNegativeInt = 3
     """Steps excluded from throughput/time medians (compilation, allocator warm-up)."""
     save_interval: NonNegativeInt = 0
     """Save a model checkpoint every N steps (0: only at the end)."""
     keep_last: PositiveInt = 2
     """Model checkpoints to keep; older ones are deleted."""
+    save_checkpoints: bool = True
+    """false: no model checkpoint at all, not at the end nor on a stop signal (benchmarks)."""
     peak_tflops: Optional[PositiveFloat] = None
     """Peak dense TFLOP/s of one device, for MFU. Auto-detected for known GPUs."""
 

@@ -12,6 +12,7 @@ import time
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -19,13 +20,12 @@ import torch
 from . import checkpoint
 from .ac import apply_plan, configure_deepspeed_ac
 from .cli import RunArgs
-from .data import prepare_data
+from .data import RandomTokens, prepare_data, to_device
 from .ds_config import resolve_ds_config, zero_stage
 from .errors import EXIT_RUN_FAILED, RunFailed, UserError
 from .faults import Progress, is_oom, nonfinite_loss_message, oom_message, write_failure
-from .flops import device_peak_tflops, model_flops_per_token
-from .metrics import (GIB, ActivationMeter, device_memory, host_rss_gib, medians,
-                      reset_device_peak, synchronize)
+from .flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
+from .metrics import GIB, ActivationMeter, IntervalTimer, device_memory, host_rss_gib, medians, reset_device_peak
 from .model import build_model
 from .validate import check_run
 
@@ -52,6 +52,19 @@ def _share_cpu_cores() -> None:
         torch.set_num_threads(max(1, cores // local_world))
 
 
+def _skip_shm_comm_op() -> None:
+    """DeepSpeed JIT-builds its CPU shm comm op at init_distributed on a CPU accelerator (minutes on a
+    busy 2-core machine, and rebuilt whenever two ninja binaries share its build folder). The op only
+    serves DeepSpeed's inference all-reduce; ZeRO training on gloo never calls it. Marking it
+    incompatible makes DeepSpeed 0.19.8's `build_shm_op()` return None (deepspeed/comm/torch.py)."""
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except (ImportError, AttributeError):
+        pass
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -59,7 +72,8 @@ def _seed_everything(seed: int) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT/SIGUSR1; acted on at the next step boundary, on every rank at once."""
+    """Set by SIGTERM/SIGINT/SIGUSR1 on this rank; the ranks agree on it at the next log boundary
+    (`Boundary.agree`), where a stop saves and ends the run on every rank at the same step."""
 
     def __init__(self) -> None:
         self.signal_name = None
@@ -69,14 +83,30 @@ class StopFlag:
     def _handler(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name
 
-    def agreed(self) -> bool:
-        import deepspeed.comm as dist
+    def one_hot(self) -> list[float]:
+        return [float(self.signal_name == sig.name) for sig in STOP_SIGNALS]
 
-        flag = torch.tensor([float(signal.Signals[self.signal_name]) if self.signal_name else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and not self.signal_name:  # another rank got it: record which, for summary.json
-            self.signal_name = signal.Signals(int(flag.item())).name
-        return bool(flag.item())
+
+def set_local_device() -> torch.device:
+    """This rank's device, set from LOCAL_RANK before anything touches CUDA: the first collectives
+    (object broadcasts, NCCL's communicator) then use it, not cuda:0 on every rank."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def log_every(train, raw_ds_config: dict) -> int:
+    """train.log_every, else the JSON's steps_per_print, else 10."""
+    return int(train.log_every or raw_ds_config.get("steps_per_print") or 10)
+
+
+def is_boundary(done: int, t, every: int) -> bool:
+    """Steps after which the ranks synchronise: log, the end of the metric warm-up, a save, the last.
+    A pure function of the step, so every rank stops at the same ones."""
+    return (done % every == 0 or done == t.max_steps or done == t.metric_warmup_steps
+            or bool(t.save_interval and done % t.save_interval == 0))
 
 
 def _choose_run_dir(args: RunArgs) -> Path:
@@ -138,6 +168,7 @@ def _train(args: RunArgs, progress: Progress) -> dict:
     recipe = args.recipe
     t = recipe.train
     world = int(os.environ.get("WORLD_SIZE", 1))
+    device = set_local_device()  # before validation: policy auto times this rank's own device
 
     # --- validate everything before any distributed work: the same check `make train` runs first
     checked = check_run(args, world)
@@ -149,12 +180,16 @@ def _train(args: RunArgs, progress: Progress) -> dict:
     import deepspeed.comm as dist
     from tqdm import tqdm
 
-    stop = StopFlag()  # from here on a stop signal is honoured at the first step boundary, not lost
+    stop = StopFlag()  # from here on a stop signal is honoured at the next boundary, not lost
     _share_cpu_cores()
+    _skip_shm_comm_op()
     deepspeed.init_distributed(verbose=False)
     rank = dist.get_rank()
     memory_plan = checked.memory_plan
-    if memory_plan is not None:  # policy auto: every rank runs rank 0's choice (its step-time model timed the device)
+    if memory_plan is not None:
+        # policy auto: every rank planned on its own device (set above), but they must all run one
+        # plan: rank 0's. Per-rank plans could differ by timing noise, and a rank that recomputes
+        # less than the others would be the one to run out of memory first.
         shared = [plan, memory_plan]
         dist.broadcast_object_list(shared, src=0)
         plan, memory_plan = shared
@@ -162,6 +197,7 @@ def _train(args: RunArgs, progress: Progress) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     progress.run_dir = run_dir
     ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.num_recomputed)
+    predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
     if rank == 0:
         if args.overwrite:  # stale events or checkpoints must not mix into the new run
             _clear_run(run_dir)
@@ -174,7 +210,10 @@ def _train(args: RunArgs, progress: Progress) -> dict:
             print(memory_plan.describe(), flush=True)
         for warning in checked.warnings:
             print(f"warning: {warning}", flush=True)
-    data = _prepare_data_everywhere(recipe)
+    if recipe.data.random_tokens:
+        data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed)
+    else:
+        data = _prepare_data_everywhere(recipe)
 
     # --- model, AC hooks, engine
     _seed_everything(t.seed)
@@ -185,66 +224,92 @@ def _train(args: RunArgs, progress: Progress) -> dict:
     apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
     model.train()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    device = engine.device  # every tensor that meets a collective lives here
 
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
     start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
     progress.step = start
 
     flops_per_token = model_flops_per_token(config, recipe.data.seq_len)
+    recompute = _recompute_flops(config, recipe.data.seq_len, plan)
+    hardware_flops_per_token = None if recompute is None else flops_per_token + recompute
     peak_tflops = t.peak_tflops or device_peak_tflops()
     tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
+    every = log_every(t, args.ds_config)
     meter = ActivationMeter()
+    timer = IntervalTimer(device)
     history: list[dict[str, float]] = []
+    measured_steps = 0
     status, step, last_loss = "completed", start, float("nan")
     started = time.time()
 
     bar = progress.bar = tqdm(total=t.max_steps, initial=start, disable=rank != 0, desc=recipe.name, unit="step",
                               dynamic_ncols=True)
+    # Steady state: no host-device sync inside a step. Per-step losses stay on the device until the
+    # next boundary (`is_boundary`), where one all-reduce carries them and the stop flags, and one
+    # read brings them to the host: the NaN check, the stop agreement and logging happen there.
+    step_losses: list[torch.Tensor] = []
+    interval_start = start
     reset_device_peak()
+    timer.start()
     for step in range(start, t.max_steps):
-        if stop.agreed():
-            status = "preempted"
-            break
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=engine.device)
+        measure = step == interval_start  # activation bytes of one forward per interval
+        loss_sum = torch.zeros((), device=device)
         for micro in range(t.grad_accum_steps):
-            ids = data.batch(step, micro, rank, world, t.micro_batch_size, t.grad_accum_steps).to(engine.device)
-            with meter.measure() if micro == 0 else nullcontext():
+            ids = to_device(data.batch(step, micro, rank, world, t.micro_batch_size, t.grad_accum_steps), device)
+            with meter.measure() if measure and micro == 0 else nullcontext():
                 loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().float()
-        synchronize()
-        step_s = time.perf_counter() - t0
-        dist.all_reduce(loss_sum)
-        last_loss = loss_sum.item() / (world * t.grad_accum_steps)
-        if not math.isfinite(last_loss):  # stop before anything saves it; the last checkpoint stays good
-            raise RunFailed(nonfinite_loss_message(last_loss, step + 1, t.max_steps, run_dir, t))
+        step_losses.append(loss_sum)
+        done = step + 1
+        bar.update(1)
+        if not is_boundary(done, t, every):
+            continue
 
-        done = progress.step = step + 1
-        row = _step_metrics(engine, last_loss, step_s, tokens_per_step, world, t.micro_batch_size * t.grad_accum_steps,
-                            flops_per_token, peak_tflops, meter.bytes)
-        if memory_plan is not None:  # memtrain.memory_model's prediction, beside the measured figures
-            row["memory/predicted_peak_gib"] = memory_plan.prediction.peak / GIB
+        # --- boundary: one all-reduce, one host read
+        seconds = timer.stop()
+        stats = torch.cat([torch.stack(step_losses), torch.tensor(stop.one_hot(), device=device)])
+        dist.all_reduce(stats)
+        values = stats.tolist()
+        losses = [v / (world * t.grad_accum_steps) for v in values[:len(step_losses)]]
+        stopped = [sig.name for sig, n in zip(STOP_SIGNALS, values[len(step_losses):]) if n > 0]
+        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        if bad is not None:  # stop before anything saves it; the last checkpoint stays good
+            progress.step = interval_start + bad
+            raise RunFailed(nonfinite_loss_message(losses[bad], interval_start + bad + 1, t.max_steps, run_dir, t))
+        last_loss = losses[-1]
+        progress.step = done
+        steps = done - interval_start
+        row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, tokens_per_step, world,
+                                t.micro_batch_size * t.grad_accum_steps, flops_per_token, hardware_flops_per_token,
+                                peak_tflops, meter.bytes)
+        if predicted_peak is not None:  # memtrain's prediction, beside the measured figures
+            row["memory/predicted_peak_gib"] = predicted_peak / GIB
         if plan.memtrain_offload:  # host bytes that memtrain's cpu_checkpointing took off the device
             row["memory/offloaded_activation_gib"] = meter.offloaded_bytes / GIB
-        if done > t.metric_warmup_steps or t.max_steps <= t.metric_warmup_steps:
+        if interval_start >= t.metric_warmup_steps or t.max_steps <= t.metric_warmup_steps:
             history.append(row)
+            measured_steps += steps
         else:  # warm-up: keep loss/lr/memory in TensorBoard, but no throughput figures
             row = {k: v for k, v in row.items() if not k.startswith(("throughput/", "time/"))}
-        if done % t.log_interval == 0 or done == t.max_steps:
-            engine.monitor.write_events([(tag, value, done) for tag, value in row.items()])
-        bar.update(1)
+        engine.monitor.write_events([(tag, value, done) for tag, value in row.items()])
         bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{row.get('throughput/tokens_per_s', 0):,.0f}",
                         act_gib=f"{row['memory/activation_gib']:.3f}")
-        if t.save_interval and done % t.save_interval == 0 and done < t.max_steps:
+        step_losses, interval_start = [], done
+        if stopped:
+            stop.signal_name = stop.signal_name or stopped[0]  # for summary.json, on every rank
+            status = "preempted"
+            break
+        if t.save_checkpoints and t.save_interval and done % t.save_interval == 0 and done < t.max_steps:
             checkpoint.save(engine, ckpt_dir, done, t.keep_last)
-    else:
-        step = t.max_steps
+        reset_device_peak()
+        timer.start()
     bar.close()
 
-    completed = step if status == "preempted" else t.max_steps
-    if completed > start or status == "preempted":
+    completed = step + 1 if status == "preempted" else t.max_steps
+    if t.save_checkpoints and (completed > start or status == "preempted"):
         checkpoint.save(engine, ckpt_dir, completed, t.keep_last)
     summary = {
         "status": status,
@@ -252,13 +317,18 @@ def _train(args: RunArgs, progress: Progress) -> dict:
         "stop_signal": stop.signal_name,
         "final_loss": last_loss,
         "metrics": medians(history, 0),
-        "measured_steps": len(history),
+        "measured_steps": measured_steps,
         "world_size": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "elapsed_s": time.time() - started,
         "ac_plan": plan.to_dict(),
         "run_dir": str(run_dir),
         "tensorboard": str(run_dir / "tb"),
     }
+    if predicted_peak is not None:
+        summary["predicted_peak_gib"] = predicted_peak / GIB
+    if device.type == "cuda":
+        summary["peak_allocated_gib"] = max((r["memory/peak_allocated_gib"] for r in history), default=0.0)
     if memory_plan is not None:
         summary["memory_plan"] = memory_plan.to_dict()
     if rank == 0:
@@ -267,6 +337,32 @@ def _train(args: RunArgs, progress: Progress) -> dict:
               f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'})", flush=True)
     dist.barrier()
     return summary
+
+
+def _recompute_flops(config, seq_len: int, plan) -> Optional[float]:
+    """FLOPs per token the plan's recompute adds (memtrain.flops' model of torch's checkpoint); None
+    where that model has no answer (module-pattern plans)."""
+    if plan.modules:
+        return None
+    try:
+        return recompute_flops_per_token(config, seq_len, tuple(plan.layers))
+    except ValueError:
+        return None
+
+
+def _predicted_peak(recipe, ds_config: dict, world: int, plan, config, memory_plan) -> Optional[int]:
+    """memtrain.planner's predicted peak device bytes for the plan this run executes."""
+    if memory_plan is not None:
+        return memory_plan.prediction.peak
+    if plan.segments or plan.modules:
+        return None
+    from .memory_model import OFFLOAD, make_target, model_states, predict, profile_activations
+
+    target = make_target(recipe, ds_config, world)
+    profile = profile_activations(config, target)
+    offload = plan.offload or (False,) * len(plan.layers)
+    choices = tuple(c + (OFFLOAD if off else "") for c, off in zip(plan.layers, offload))
+    return predict(profile, model_states(profile, ds_config, target), choices).peak
 
 
 def _clear_run(run_dir: Path) -> None:
@@ -279,10 +375,10 @@ def _clear_run(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def _step_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_rank, flops_per_token,
-                  peak_tflops, activation_bytes) -> dict[str, float]:
+def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_rank, flops_per_token,
+                      hardware_flops_per_token, peak_tflops, activation_bytes) -> dict[str, float]:
+    """One TensorBoard point per log interval: means over its steps, peaks over its steps."""
     allocated, reserved = device_memory()
-    reset_device_peak()
     tokens_per_s = tokens_per_step / step_s
     tflops = flops_per_token * tokens_per_step / world / step_s / 1e12
     row = {
@@ -297,6 +393,8 @@ def _step_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_rank
         "memory/activation_gib": activation_bytes / GIB,
         "memory/host_rss_gib": host_rss_gib(),
     }
-    if peak_tflops:
+    if peak_tflops:  # MFU: model FLOPs only; HFU: with what the AC plan recomputes
         row["throughput/mfu"] = tflops / peak_tflops
+        if hardware_flops_per_token is not None:
+            row["throughput/hfu"] = tflops * hardware_flops_per_token / flops_per_token / peak_tflops
     return row

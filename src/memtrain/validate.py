@@ -330,8 +330,9 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     check_run_dir(args, world_size)
     recipe_source = args.recipe_path or "embedded recipe 'tiny'"
     try:  # these name a recipe key path; say which recipe too
-        files = resolve_files(recipe.data)
-        check_text(files, recipe.data)
+        files = [] if recipe.data.random_tokens else resolve_files(recipe.data)
+        if files:
+            check_text(files, recipe.data)
         tokenizer = build_tokenizer(recipe.data.tokenizer)
         config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
         ds_ac = ac_section(args.ds_config)
@@ -372,7 +373,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise UserError(f"--world-size: must be positive (got {known.world_size})")
     args = parse_args(rest)
     check_run(args, known.world_size)
-    prepare_data(args.recipe.data, args.recipe.train.seed)
+    if not args.recipe.data.random_tokens:
+        prepare_data(args.recipe.data, args.recipe.train.seed)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,15 @@
   and attention outputs, recomputes the rest: memtrain's `op` policy on the torch backend);
 * `deepspeed:cpu-ckpt`: ZeRO-3, `deepspeed.checkpointing.checkpoint` per layer with DeepSpeed's own
   `cpu_checkpointing` (the JSON switch with `cpu_checkpointing_impl: deepspeed`);
-* `memtrain:<policy>[+offload][@torch|@deepspeed]`: ZeRO-3 with a memtrain policy (`full`,
-  `every:2`, `op`, ...); `+offload` turns on the JSON's `cpu_checkpointing`, which runs memtrain's
-  offload; `@` picks the checkpoint backend (default deepspeed, the faster of the two in the
-  CEO's H100 table).
+* `memtrain:<policy>[+offload][@torch|@deepspeed]`: the trainer (`src/train.py`, the same code a
+  training run executes) with a memtrain policy (`none`, `full`, `every:2`, `op`, `auto`, ...);
+  `+offload` turns on the JSON's `cpu_checkpointing`, which runs memtrain's offload; `@` forces
+  the checkpoint backend (default: the recipe's, normally `auto`).
 
-Plain PyTorch set-ups keep float32 master weights under bf16 autocast (when the GPU has bf16)
-with fused AdamW; ZeRO-3 set-ups use the DeepSpeed JSON (`ds_configs/zero3_ckpt.json` unless
-`--deepspeed` names another), whose `"auto"` bf16 turns on where supported.
+Plain PyTorch set-ups (`bench/plain.py`) keep float32 master weights under bf16 autocast (when
+the GPU has bf16) with fused AdamW; the others run the trainer on the DeepSpeed JSON
+(`ds_configs/zero3_ckpt.json` unless `--deepspeed` names another), whose `"auto"` bf16 turns
+on where supported.
 """
 from __future__ import annotations
 
@@ -32,32 +33,33 @@ HELP = "torch:noac | torch:hf-ac | torch:sac | deepspeed:cpu-ckpt | memtrain:<po
 @dataclass(frozen=True)
 class Setup:
     name: str
-    zero3: bool          # ZeRO-3 through DeepSpeed, else plain PyTorch
+    trainer: bool        # the trainer (src/train.py), else the plain-PyTorch baseline
     ac: str              # plain: noac | hf-ac | sac; ZeRO-3: a memtrain policy
-    backend: str = "deepspeed"
+    backend: str = "auto"
     cpu_checkpointing: bool = False
     impl: str = "memtrain"  # who offloads when cpu_checkpointing is on
 
     @property
     def label(self) -> str:
-        if not self.zero3:
+        if not self.trainer:
             return f"PyTorch, {_PLAIN[self.ac]}"
         if self.impl == "deepspeed":
             return "ZeRO-3, DeepSpeed checkpoint + DeepSpeed's own cpu_checkpointing"
         offload = ", memtrain offload" if self.cpu_checkpointing else ""
-        return f"ZeRO-3, memtrain '{self.ac}' ({self.backend} checkpoint){offload}"
+        backend = "" if self.backend == "auto" else f" ({self.backend} checkpoint)"
+        return f"trainer, policy '{self.ac}'{backend}{offload}"
 
 
 def parse_setup(name: str) -> Setup:
     kind, sep, rest = name.strip().partition(":")
     if kind == "torch" and rest in _PLAIN:
-        return Setup(name, zero3=False, ac=rest, backend="torch")
+        return Setup(name, trainer=False, ac=rest, backend="torch")
     if kind == "deepspeed" and rest == "cpu-ckpt":
-        return Setup(name, zero3=True, ac="full", cpu_checkpointing=True, impl="deepspeed")
+        return Setup(name, trainer=True, ac="full", cpu_checkpointing=True, impl="deepspeed")
     if kind == "memtrain" and rest:
-        policy, at, backend = rest.rpartition("@") if "@" in rest else (rest, "", "deepspeed")
+        policy, at, backend = rest.rpartition("@") if "@" in rest else (rest, "", "auto")
         offload = policy.endswith("+offload")
         policy = policy.removesuffix("+offload")
-        if policy and backend in ("torch", "deepspeed"):
-            return Setup(name, zero3=True, ac=policy, backend=backend, cpu_checkpointing=offload)
+        if policy and backend in ("auto", "torch", "deepspeed"):
+            return Setup(name, trainer=True, ac=policy, backend=backend, cpu_checkpointing=offload)
     raise UserError(f"--setups: unknown set-up '{name}'; allowed: {HELP}")
