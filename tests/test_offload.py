@@ -7,6 +7,7 @@ recycled too early shows up as wrong numbers. One launch checks the real ZeRO-3 
 """
 import copy
 import json
+import re
 import weakref
 
 import pytest
@@ -18,7 +19,7 @@ from memtrain.ds_config import ac_section
 from memtrain.errors import UserError
 from memtrain.metrics import ActivationMeter
 from memtrain.model import build_config, build_model, decoder_layers
-from memtrain.offload import ActivationOffloader, HostBufferPool, offload_flags
+from memtrain.offload import ActivationOffloader, HostBufferPool, offload_flags, offload_units
 from memtrain.recipe import ACSection, ModelSection
 from memtrain.tb import read_scalars
 
@@ -66,15 +67,15 @@ def ids():
     return torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))
 
 
-def _plan(backend, cpu_checkpointing, skip_last=1, policy="full"):
+def _plan(backend, cpu_checkpointing, skip_last=1, policy="full", num_layers=LLAMA["num_hidden_layers"], **section):
     ds = {"activation_checkpointing": {"cpu_checkpointing": cpu_checkpointing}}
-    return build_plan(policy, backend, ac_section(ds), LLAMA["num_hidden_layers"],
-                      section=ACSection(offload_skip_last=skip_last))
+    return build_plan(policy, backend, ac_section(ds), num_layers,
+                      section=ACSection(offload_skip_last=skip_last, **section))
 
 
-def _steps(model, ids, steps, deferred=False):
+def _steps(model, ids, steps, deferred=False, after_forward=None):
     """Train-like steps (forward under the meter, backward); per step: grads, meter bytes, and
-    which layer inputs were still alive after the forward."""
+    which layer inputs were still alive after the forward (`after_forward()` runs there too)."""
     if deferred:
         model.ac_offloader.copies = DeferredCopies()
     inputs = []
@@ -88,6 +89,8 @@ def _steps(model, ids, steps, deferred=False):
         with meter.measure():
             loss = model(input_ids=ids, labels=ids).loss
         alive = [r() is not None for r in inputs]
+        if after_forward is not None:
+            after_forward()
         loss.backward()
         out.append(({n: p.grad.clone() for n, p in model.named_parameters()}, meter.bytes, meter.offloaded_bytes,
                     alive))
@@ -185,16 +188,171 @@ def test_plan_flags_and_description():
     assert offload_flags([True, True], True, 5) == (False, False)
     assert offload_flags([True, True], False, 0) == (False, False)
     assert offload_flags([True, False, True], True, 1, every=True) == (True, False, True)
+    # a segment is one unit: its head's call is the only one that keeps an input
+    assert offload_units([True] * 6, ((0, 3), (3, 5))) == (0, 3, 5)
+    assert offload_flags([True] * 6, True, 1, segments=((0, 3), (3, 5))) == (True, False, False, True, False, False)
+    assert offload_flags([True] * 6, True, 1, every=True, segments=((0, 3), (3, 6))) == (True, False, False,
+                                                                                            True, False, False)
     plan = _plan("deepspeed", True, skip_last=2)
     assert plan.offload == (True, True, False, False)
-    assert "memtrain offload of 2/4" in plan.describe() and "DeepSpeed's own CPU_CHECKPOINT off" in plan.describe()
+    assert ("memtrain offload: inputs of 2 of 4 recomputed layers (layers 0,1) go to host memory; the last 2 stay "
+            "on the device") in plan.describe()
+    assert "DeepSpeed's own CPU_CHECKPOINT off" in plan.describe()
     assert "H H D D" in plan.describe()
+    # sqrt over 16 layers: 4 segments of 4; the last segment's head (not the last layer, a follower) stays
+    sqrt = _plan("torch", True, policy="sqrt", num_layers=16)
+    assert sqrt.segments == ((0, 4), (4, 8), (8, 12), (12, 16))
+    assert [i for i, f in enumerate(sqrt.offload) if f] == [0, 4, 8]
+    assert ("inputs of 3 of 4 segments (heads of layers 0,4,8) go to host memory; the last 1 stays on the device"
+            in sqrt.describe())
+    assert "[H - - -] [H - - -] [H - - -] [D - - -]" in sqrt.describe()
+    # 5 layers: segments 0-1, 2-3 and layer 4 on its own: three units
+    mixed = _plan("torch", True, skip_last=2, policy="sqrt", num_layers=5)
+    assert mixed.segments == ((0, 2), (2, 4)) and mixed.offload == (True, False, False, False, False)
+    assert "inputs of 1 of 3 checkpointed units (segments at layers 0) go to host memory; the last 2 stay" \
+        in mixed.describe()
+    assert "[H -] [D -] D" in mixed.describe()
+    every = _plan("torch", True, policy="every:2", num_layers=6)
+    assert "inputs of 2 of 3 recomputed layers (layers 0,2) go to host memory; the last 1 stays" in every.describe()
+    assert "H . H . D ." in every.describe()
+    assert "all 4 stay on the device" in _plan("torch", True, skip_last=4).describe()
+    modules = _plan("torch", True, policy="modules", modules=["model.layers.*.mlp"])
+    assert modules.memtrain_offload and not any(modules.offload)
+    assert ("inputs of the modules matching model.layers.*.mlp go to host memory, but the last 1 in module order, "
+            "which stays on the device") in modules.describe()
     ds_own = build_plan("full", "deepspeed", ac_section(OFFLOAD_JSON), 4,
                         section=ACSection(cpu_checkpointing_impl="deepspeed"))
     assert not ds_own.memtrain_offload and "DeepSpeed's own CPU_CHECKPOINT copies" in ds_own.describe()
     assert "cpu_checkpointing: off" in _plan("torch", False).describe()
     with pytest.raises(UserError, match="activation_checkpointing.cpu_checkpointing_impl"):
         build_plan("full", "torch", ac_section(OFFLOAD_JSON), 4, section=ACSection(cpu_checkpointing_impl="deepspeed"))
+
+
+HIDDEN_BYTES = 2 * 32 * 64 * 4  # one layer input of `ids`: micro-batch 2 x seq 32 x hidden 64, float32
+
+
+@pytest.fixture(scope="module")
+def base9():
+    section = ModelSection(type="llama", config={**LLAMA, "num_hidden_layers": 9})
+    config = build_config(section, vocab_size=257, seq_len=32)
+    torch.manual_seed(0)
+    return build_model(section, config).train()
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_sqrt_offloads_every_segment_head_but_the_last(base9, ids, backend):
+    """sqrt over 9 layers: segments 0-2, 3-5, 6-8, each one checkpoint call keeping one input (its
+    head's). offload_skip_last: 1 keeps the last segment's input (layer 6's) on the device, not
+    the last layer's (8, a follower that keeps nothing): two inputs go to host, as described."""
+    reference = copy.deepcopy(base9)
+    apply_plan(reference, _plan(backend, False, policy="sqrt", num_layers=9))
+    ref_grads, ref_bytes, _, _ = _steps(reference, ids, 1)[0]
+
+    plan = _plan(backend, True, policy="sqrt", num_layers=9)
+    assert plan.segments == ((0, 3), (3, 6), (6, 9)) and plan.offload_units == (0, 3, 6)
+    found = re.search(r"inputs of (\d+) of (\d+) segments \(heads of layers ([\d,]+)\) go to host memory; "
+                      r"the last (\d+) stays on the device", plan.describe())
+    assert found, plan.describe()
+    n_host, n_units, heads, n_kept = int(found[1]), int(found[2]), [int(i) for i in found[3].split(",")], int(found[4])
+    assert (n_host, n_units, heads, n_kept) == (2, 3, [0, 3], 1)
+    model = copy.deepcopy(base9)
+    apply_plan(model, plan)
+    off = model.ac_offloader
+    off.copies = DeferredCopies()
+    calls = []  # (layer, its input) per layer call from the model's loop or inside a segment
+    for i, layer in enumerate(decoder_layers(model)[1]):
+        layer.register_forward_pre_hook(lambda m, args, i=i: calls.append((i, weakref.ref(args[0]))))
+    for step in range(2):
+        calls.clear()
+        alive = {}
+        (grads, device_bytes, host_bytes, _), = _steps(
+            model, ids, 1, after_forward=lambda: alive.update({i: ref() is not None for i, ref in calls}))
+        for name, g in grads.items():
+            assert torch.equal(g, ref_grads[name]), f"step {step}: {name}"
+        # measured: the described number of segment inputs left the device, nothing else did
+        assert host_bytes == n_host * HIDDEN_BYTES
+        assert device_bytes + host_bytes == ref_bytes
+        # which ones: the described heads' inputs were freed after the forward, the last head's was
+        # not (a head is called once, by the model's loop: a segment's other layers run inside it)
+        assert [i for i, _ in calls if i in plan.offload_units] == [0, 3, 6]
+        assert [i for i in plan.offload_units if alive[i]] == [6]
+        assert off.live_bytes == 0
+    assert off.offloaded == 2 * n_host and off.prefetch_misses == 0
+
+
+@pytest.mark.parametrize("policy", ["modules", "selective:mlp"])
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_mlp_units_offload_all_but_the_last(base, ids, backend, policy):
+    """Each matched module (policy modules) or recomputed sublayer (selective:mlp) is one unit; with
+    offload_skip_last: 1 the inputs of the MLPs of layers 0-2 leave the device, layer 3's stays."""
+    section = {"modules": ["model.layers.*.mlp"]} if policy == "modules" else {}
+    reference = copy.deepcopy(base)
+    apply_plan(reference, _plan(backend, False, policy=policy, **section))
+    ref_grads, ref_bytes, _, _ = _steps(reference, ids, 1)[0]
+    model = copy.deepcopy(base)
+    apply_plan(model, _plan(backend, True, policy=policy, **section))
+    grads, device_bytes, host_bytes, _ = _steps(model, ids, 1)[0]
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+    assert host_bytes == 3 * HIDDEN_BYTES and device_bytes + host_bytes == ref_bytes
+    assert model.ac_offloader.offloaded == 3 and model.ac_offloader.live_bytes == 0
+
+
+def _pool_bytes(pool):
+    """What the pool holds, by its own accounting and by the buffers' storages."""
+    storages = sum(b.untyped_storage().nbytes() for b in pool.cached_buffers())
+    return pool.cached_bytes, storages
+
+
+def test_pool_steady_state_allocates_nothing_and_shrinks_with_the_shapes(base):
+    """Steps at seq 32, then seq 8: from the second seq-8 forward on, the pool holds exactly what a
+    seq-8 step needs (the seq-32 buffers were not used in the step before and are dropped)."""
+    model = copy.deepcopy(base)
+    apply_plan(model, _plan("torch", True))
+    large, small = (torch.randint(0, 257, (2, n), generator=torch.Generator().manual_seed(1)) for n in (32, 8))
+    need_large, need_small = 3 * 2 * 32 * 64 * 4, 3 * 2 * 8 * 64 * 4  # 3 offloaded layer inputs per step
+    _steps(model, large, 1)
+    pool = model.ac_offloader.pool
+    assert (pool.allocations, pool.capacity_bytes, pool.last_step_peak_bytes) == (3, need_large, 0)
+    _steps(model, large, 4)  # steady state: nothing allocated, nothing dropped
+    assert (pool.allocations, pool.frees, pool.capacity_bytes) == (3, 0, need_large)
+    assert pool.last_step_peak_bytes == need_large and _pool_bytes(pool) == (need_large, need_large)
+
+    _steps(model, small, 1)  # the seq-32 buffers are more than twice too big: three new ones
+    assert pool.allocations == 6 and _pool_bytes(pool) == (need_large + need_small,) * 2
+    _steps(model, small, 1)  # its forward ended the first seq-8 step: the seq-32 buffers went
+    assert pool.frees == 3 and pool.last_step_peak_bytes == need_small
+    assert pool.capacity_bytes == need_small and _pool_bytes(pool) == (need_small, need_small)
+    _steps(model, small, 3)
+    assert (pool.allocations, pool.frees) == (6, 3) and _pool_bytes(pool) == (need_small, need_small)
+
+    # a shape within 2x reuses the buffers it fits (each wastes less than half): no allocation,
+    # and the pool stays within twice what the step needs
+    mid = torch.randint(0, 257, (2, 6), generator=torch.Generator().manual_seed(1))
+    _steps(model, mid, 3)
+    assert (pool.allocations, pool.frees) == (6, 3) and pool.cached_bytes <= 2 * 3 * 2 * 6 * 64 * 4
+
+
+def test_pool_drops_unused_buffers_and_caps_cached_bytes_at_the_step_peak():
+    trims = []
+    pool = HostBufferPool(lambda n: torch.empty(n, dtype=torch.uint8), trim=lambda: trims.append(1))
+    a, b = pool.acquire(100), pool.acquire(300)
+    pool.release(a)
+    pool.release(b)
+    assert pool.end_step() == 0 and pool.last_step_peak_bytes == 400 and not trims
+    pool.release(pool.acquire(40))  # only a new 40-byte buffer is used in this step
+    assert pool.cached_bytes == 440
+    assert pool.end_step() == 400 and trims == [1]  # 100 and 300 were idle for a whole step
+    assert [t.numel() for t in pool.cached_buffers()] == [40] and pool.capacity_bytes == pool.cached_bytes == 40
+    # used one after the other, never together: the step's peak in use is 300, so 300 bytes stay cached
+    pool.release(pool.acquire(40))
+    pool.release(pool.acquire(300))
+    assert pool.end_step() == 300 and pool.cached_bytes == 40 <= pool.last_step_peak_bytes == 300
+    # a buffer still out at the step boundary is neither dropped nor forgotten
+    held = pool.acquire(40)
+    assert pool.end_step() == 0 and pool.in_use_bytes == 40
+    pool.release(held)
+    assert pool.end_step() == 0 and pool.cached_bytes == 40 and pool.allocations == 4
 
 
 def test_zero3_two_ranks_with_cpu_checkpointing(tmp_path):
@@ -204,7 +362,7 @@ def test_zero3_two_ranks_with_cpu_checkpointing(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train(["--deepspeed", str(ds_path), "--run-dir", str(run_dir), "--max-steps", "6", *FAST], nproc=2)
     assert_ok(proc)
-    assert "memtrain offload of 3/4 recomputed layers' inputs" in proc.stdout
+    assert "memtrain offload: inputs of 3 of 4 recomputed layers (layers 0,1,2) go to host memory" in proc.stdout
     assert "DeepSpeed's own CPU_CHECKPOINT off" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["ac_plan"]["offload"] == [True, True, True, False]

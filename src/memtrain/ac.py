@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from .errors import UserError
 from .metrics import current_activation_meter
-from .offload import PREFETCH_DEPTH, ActivationOffloader, offload_flags
+from .offload import PREFETCH_DEPTH, ActivationOffloader, offload_flags, offload_units
 
 KEEP, FULL, ATTN, MLP, OP = "keep", "full", "attn", "mlp", "op"
 RECOMPUTE = FULL  # the base name for "recompute the whole layer"
@@ -78,25 +78,78 @@ class ACPlan:
     cpu_checkpointing: bool = False
     partition_activations: bool = False
     warnings: tuple[str, ...] = field(default_factory=tuple)
-    offload: tuple[bool, ...] = ()  # per layer: its checkpointed input goes to host (cpu_checkpointing)
+    offload: tuple[bool, ...] = ()  # per layer: the checkpoint call it makes sends its input to host
     offload_impl: str = "memtrain"  # who offloads: memtrain.offload, or DeepSpeed's own CPU_CHECKPOINT
+    offload_skip_last: int = 1  # policy 'modules': the last N matched modules keep their input on the device
 
     @property
     def memtrain_offload(self) -> bool:
         """memtrain.offload runs (and DeepSpeed's CPU_CHECKPOINT must not)."""
-        return self.cpu_checkpointing and self.offload_impl == "memtrain" and any(self.offload)
+        return self.cpu_checkpointing and self.offload_impl == "memtrain" and (any(self.offload) or bool(self.modules))
+
+    @property
+    def offload_units(self) -> tuple[int, ...]:
+        """The layers that make one checkpoint call each (a recomputed layer, or a segment's head):
+        the units `offload` chooses among. Policy 'modules' has none here: its units are the
+        matched modules, known once the plan meets the model (`apply_plan`)."""
+        return offload_units([m != KEEP for m in self.layers], self.segments)
+
+    def _units_text(self, units) -> tuple[str, str]:
+        """(what this plan's units are, which of them `units` are) for the description,
+        e.g. ('segments', 'heads of layers 0,4')."""
+        heads = {start for start, _ in self.segments}
+        csv = lambda idx: ",".join(map(str, idx))  # noqa: E731
+        every = self.offload_units
+        if every and all(i in heads for i in every):
+            return "segments", f"heads of layers {csv(units)}"
+        if not any(i in heads for i in every):
+            return "recomputed layers", f"layers {csv(units)}"
+        seg, single = [i for i in units if i in heads], [i for i in units if i not in heads]
+        return "checkpointed units", "; ".join(
+            ([f"segments at layers {csv(seg)}"] if seg else []) + ([f"layers {csv(single)}"] if single else []))
 
     def _describe_offload(self) -> list[str]:
         if not self.cpu_checkpointing:
             return ["cpu_checkpointing: off"]
+        units = self.offload_units
+        noun, _ = self._units_text(units)
         if self.offload_impl == "deepspeed":
-            return ["cpu_checkpointing: on, DeepSpeed's own CPU_CHECKPOINT copies every recomputed layer's input "
-                    "(activation_checkpointing.cpu_checkpointing_impl: deepspeed)"]
-        marks = " ".join("." if m == KEEP else "H" if off else "D" for m, off in zip(self.layers, self.offload))
-        return [f"cpu_checkpointing: on, memtrain offload of {sum(self.offload)}/{self.num_recomputed} recomputed "
-                f"layers' inputs (pinned host pool, side-stream copies, prefetch {PREFETCH_DEPTH} layers ahead); "
-                "DeepSpeed's own CPU_CHECKPOINT off",
-                f"  checkpointed inputs (H = host, D = device, . = not recomputed): {marks}"]
+            what = f"{len(units)} {noun}" if not self.modules else f"every module matching {', '.join(self.modules)}"
+            return [f"cpu_checkpointing: on, DeepSpeed's own CPU_CHECKPOINT copies the input of every checkpoint call "
+                    f"({what}) (activation_checkpointing.cpu_checkpointing_impl: deepspeed)"]
+        how = (f"(pinned host pool, side-stream copies, prefetch {PREFETCH_DEPTH} units ahead); "
+               "DeepSpeed's own CPU_CHECKPOINT off")
+        if self.modules:
+            kept = self.offload_skip_last
+            return [f"cpu_checkpointing: on, memtrain offload: inputs of the modules matching {', '.join(self.modules)} "
+                    f"go to host memory" + (f", but the last {kept} in module order, which stay{'s' * (kept == 1)} on "
+                                            "the device" if kept else "") + f" {how}"]
+        flags = self.offload or (False,) * len(self.layers)
+        host = [i for i in units if flags[i]]
+        device = [i for i in units if not flags[i]]
+        _, host_which = self._units_text(host)
+        if not units:
+            return ["cpu_checkpointing: on, but no layer is recomputed: nothing to offload"]
+        if not device:
+            stays = "none stays on the device"
+        elif not host:
+            stays = f"all {len(device)} stay on the device"
+        elif device == list(units[len(units) - len(device):]):
+            stays = f"the last {len(device)} stay{'s' * (len(device) == 1)} on the device"
+        else:
+            stays = f"{self._units_text(device)[1]} stay on the device"
+        head = (f"cpu_checkpointing: on, memtrain offload: inputs of {len(host)} of {len(units)} {noun}"
+                + (f" ({host_which})" if host else "") + f" go to host memory; {stays} {how}")
+        starts = {s for s, _ in self.segments}
+        stops = {e - 1 for _, e in self.segments}
+        inside = {i for s, e in self.segments for i in range(s + 1, e)}
+        marks = " ".join(("[" if i in starts else "")
+                         + ("." if m == KEEP else "-" if i in inside else "H" if off else "D")
+                         + ("]" if i in stops else "")
+                         for i, (m, off) in enumerate(zip(self.layers, flags)))
+        legend = "H = host, D = device, . = not recomputed" + (
+            ", - = runs inside its segment's checkpoint; [...] = one segment" if self.segments else "")
+        return [head, f"  checkpointed inputs ({legend}): {marks}"]
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.layers) - set(LAYER_MODES))
@@ -260,19 +313,22 @@ def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_pa
         warnings.append(f"activation_checkpointing.segment_len is ignored by policy '{policy}' (used by 'sqrt')")
     if OP in layers:
         op_rules(op_save)  # validate early: a bad entry fails before any distributed work
+    segments = sqrt_segments(layers, segment_len) if is_sqrt else ()
+    skip_last = getattr(section, "offload_skip_last", 1)
     return ACPlan(
         policy=policy,
         layers=layers,
         backend=backend,
-        segments=sqrt_segments(layers, segment_len) if is_sqrt else (),
+        segments=segments,
         modules=modules,
         op_save=op_save,
         cpu_checkpointing=ds_ac["cpu_checkpointing"],
         partition_activations=ds_ac["partition_activations"] and backend == "deepspeed",
         warnings=tuple(warnings),
-        offload=offload_flags([m != KEEP for m in layers], ds_ac["cpu_checkpointing"],
-                              getattr(section, "offload_skip_last", 1), every=offload_impl == "deepspeed"),
+        offload=offload_flags([m != KEEP for m in layers], ds_ac["cpu_checkpointing"], skip_last,
+                              every=offload_impl == "deepspeed", segments=segments),
         offload_impl=offload_impl,
+        offload_skip_last=skip_last,
     )
 
 
@@ -406,11 +462,11 @@ def _torch_checkpoint(function, *args, context_fn=None):
 
 
 def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
-                        offloader: Optional[ActivationOffloader] = None) -> Callable:
+                        offloader: Optional[ActivationOffloader] = None, offload: Optional[bool] = None) -> Callable:
     """`fn(function, *args)` running one checkpointed unit of `plan`: layer `index` (its sublayer,
     or the segment it starts), or with `index=None` a pattern-matched module (mode full).
-    With an `offloader`, the unit's checkpointed inputs are handed to it (offloaded when
-    `plan.offload[index]`; every unit schedules the prefetch of the ones before it)."""
+    With an `offloader`, the unit's checkpointed inputs are handed to it (offloaded when `offload`,
+    by default `plan.offload[index]`; every unit schedules the prefetch of the ones before it)."""
     mode = plan.layers[index] if index is not None else FULL
     if plan.backend == "deepspeed":
         import deepspeed
@@ -425,9 +481,11 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
         _retain(args, getattr(function, "keywords", None))
         return base(_observed(function), *args)
 
-    if offloader is None or index is None:
+    if offloader is None:
         return run
-    return offloader.wrap(run, plan.backend, plan.offload[index])
+    if offload is None:
+        offload = index is not None and plan.offload[index]
+    return offloader.wrap(run, plan.backend, offload)
 
 
 def configure_deepspeed_ac(ds_config: dict, plan: ACPlan) -> None:
@@ -461,7 +519,10 @@ class _Segment:
     def __init__(self, layers: list, checkpoint: Callable) -> None:
         self.layers, self.checkpoint = layers, checkpoint
         self.inside = False
-        self.last = None  # (args after the hidden state, kwargs, output) of the latest forward
+        # of the latest forward: (args after the hidden state, kwargs, the output's hidden-state
+        # storage address and shape, the output's other elements or None for a bare tensor). Not
+        # the output itself: it is the next unit's input, which offload must be able to free.
+        self.last = None
 
     def _run(self, function, kwargs, *args):
         out = function(*args)
@@ -477,20 +538,21 @@ class _Segment:
         kwargs = function.keywords  # transformers passes partial(forward, layer, **kwargs)
         _retain((), kwargs)
         out = self.checkpoint(functools.partial(self._run, function, kwargs), *args)
-        self.last = (args[1:], kwargs, out)
+        hidden = _hidden(out)
+        self.last = (args[1:], kwargs, hidden.untyped_storage().data_ptr(), hidden.shape,
+                     None if isinstance(out, torch.Tensor) else (type(out), tuple(out[1:])))
         return out
 
     def follower(self, function, *args):
         if self.inside:
             return function(*args)
-        rest, kwargs, out = self.last
-        hidden = _hidden(out)
-        if not (_same(args[1:], rest) and _same(function.keywords, kwargs) and args[0].shape == hidden.shape
-                and args[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()):
+        rest, kwargs, data_ptr, shape, others = self.last
+        if not (_same(args[1:], rest) and _same(function.keywords, kwargs) and args[0].shape == shape
+                and args[0].untyped_storage().data_ptr() == data_ptr):
             raise UserError("activation_checkpointing.policy: sqrt segments need the layers of a segment to get the "
                             "same arguments and each other's outputs unchanged; this model passes per-layer "
                             "arguments or changes hidden states between layers: use policy full or segment_len: 1")
-        return args[0] if isinstance(out, torch.Tensor) else type(out)((args[0], *out[1:]))
+        return args[0] if others is None else others[0]((args[0], *others[1]))
 
 
 def _checkpointed_forward(self, *args, **kwargs):
@@ -500,14 +562,19 @@ def _checkpointed_forward(self, *args, **kwargs):
     if not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    # the checkpoint keeps `run` for the recompute: it must not hold the tensors themselves (only
+    # the checkpoint's own inputs, which offload can move to host and free on the device)
+    template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    del leaves, args, kwargs
 
-    def run(*tensors):
-        it = iter(tensors)
-        a, k = tree_unflatten([next(it) if t else x for x, t in zip(leaves, is_tensor)], spec)
+    def run(*given):
+        it = iter(given)
+        a, k = tree_unflatten([next(it) if t else x for x, t in zip(template, is_tensor)], spec)
         return forward(*a, **k)
 
-    return self._ac_checkpoint(run, *(x for x, t in zip(leaves, is_tensor) if t))
+    return self._ac_checkpoint(run, *tensors)
 
 
 def _checkpoint_module(module: nn.Module, fn: Callable) -> None:
@@ -599,7 +666,7 @@ def apply_plan(model: nn.Module, plan: ACPlan) -> list[str]:
             layer._gradient_checkpointing_func = segment.follower
     named = dict(model.named_modules())
     taken = {n for n, m in named.items() if any(m is u for u in units)}
-    warnings = []
+    warnings, matched = [], []
     for name in _match_modules(model, plan.modules):
         outer = next((t for t in taken if name.startswith(t + ".") or t.startswith(name + ".")), None)
         if outer is not None:
@@ -607,8 +674,15 @@ def apply_plan(model: nn.Module, plan: ACPlan) -> list[str]:
                             "which is already recomputed; skipped")
             continue
         taken.add(name)
+        matched.append(name)
+    # each matched module is one offload unit; the last `offload_skip_last` in module order (the
+    # forward's order in a decoder) keep their input on the device
+    order = list(named)
+    matched.sort(key=order.index)
+    offloaded = max(len(matched) - plan.offload_skip_last, 0) if offloader is not None else 0
+    for k, name in enumerate(matched):
         units.append(named[name])
-        _checkpoint_module(named[name], checkpoint_function(plan))
+        _checkpoint_module(named[name], checkpoint_function(plan, None, offloader, offload=k < offloaded))
     warnings += _stateful_warnings(model, units)
     for w in warnings:
         _warnings.warn(w, RuntimeWarning, stacklevel=2)

@@ -12,7 +12,9 @@ that input goes to a pinned host buffer during the forward and comes back during
   each copy overlaps a whole layer's recompute and backward; the compute stream waits on an
   event only when it needs the tensor;
 * host buffers come from a pool and go back to it as soon as their host-to-device copy is
-  enqueued: after the first step no pinned memory is allocated, and host memory does not grow.
+  enqueued: after the first step no pinned memory is allocated, and host memory does not grow;
+  when a forward starts, the pool drops what the step before did not use (see HostBufferPool),
+  so shapes that shrink give host memory back.
 
 One side stream carries both directions, so a buffer's host-to-device copy is ordered before any
 later device-to-host copy into the same buffer: no event is needed to recycle a buffer.
@@ -41,11 +43,21 @@ from .metrics import current_activation_meter
 PREFETCH_DEPTH = 2  # offloaded layers copied back ahead of the recompute that needs them
 
 
-def offload_flags(recomputed, cpu_checkpointing: bool, skip_last: int, every: bool = False) -> tuple[bool, ...]:
-    """Per layer, whether its checkpointed input goes to host: every recomputed layer but the
-    last `skip_last` (the backward needs those first, before a copy back could overlap anything);
-    with `every`, all of them (DeepSpeed's own CPU_CHECKPOINT has no per-layer choice)."""
-    order = [i for i, r in enumerate(recomputed) if r]
+def offload_units(recomputed, segments=()) -> tuple[int, ...]:
+    """The layers whose call is one checkpoint, i.e. one saved input: an offload unit. Every
+    recomputed layer is one, except inside a segment, which is one unit started by its head
+    (the other layers of a segment run inside the head's checkpoint and keep no input)."""
+    inside = {i for start, stop in segments for i in range(start + 1, stop)}
+    return tuple(i for i, r in enumerate(recomputed) if r and i not in inside)
+
+
+def offload_flags(recomputed, cpu_checkpointing: bool, skip_last: int, every: bool = False,
+                  segments=()) -> tuple[bool, ...]:
+    """Per layer, whether the checkpoint call it makes sends its input to host: every offload unit
+    (`offload_units`: a recomputed layer, or a segment's head) but the last `skip_last` units (the
+    backward needs those first, before a copy back could overlap anything); with `every`, all of
+    them (DeepSpeed's own CPU_CHECKPOINT has no per-call choice)."""
+    order = offload_units(recomputed, segments)
     chosen = set(order if every else order[: max(len(order) - skip_last, 0)])
     return tuple(cpu_checkpointing and i in chosen for i in range(len(recomputed)))
 
@@ -61,6 +73,12 @@ class CudaCopies:
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    @staticmethod
+    def trim_host_memory() -> None:
+        """Give the pinned blocks the pool dropped back to the OS: torch's pinned-memory allocator
+        caches freed blocks (it frees only those whose copies have completed)."""
+        torch._C._host_emptyCache()
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # src is still being written
@@ -101,28 +119,88 @@ class HostCopies:
 # --------------------------------------------------------------------------- host buffer pool
 
 class HostBufferPool:
-    """Reusable host byte buffers (pinned on CUDA); a buffer is reused for any request it fits
-    without wasting more than half of it, so steady-state steps allocate nothing."""
+    """Reusable host byte buffers (pinned on CUDA), bounded by what one step uses.
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor]):
+    * A buffer is reused for any request it fits without wasting more than half of it, so
+      steady-state steps allocate nothing.
+    * At each step boundary (`end_step`, called by the offloader when a new forward starts), the
+      pool drops the free buffers no request used during the step that just ended, and caps the
+      bytes it keeps cached at that step's high-water mark of bytes in use: a run whose shapes
+      shrink gives the excess back (on CUDA through `trim`, which empties torch's pinned-memory
+      cache as well). A buffer kept for a smaller request wastes at most half of itself, so what
+      stays cached is at most twice what the step needed, and exactly that when every buffer fits.
+    """
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor], trim: Optional[Callable[[], None]] = None):
         self._allocate = allocate
+        self._trim = trim
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()  # buffers come back from autograd's thread too
-        self.allocations = 0
-        self.capacity_bytes = 0
+        self._used: set[int] = set()  # ids of the buffers handed out during this step
+        self._out: set[int] = set()  # ids of the buffers handed out now
+        self.allocations = 0      # buffers allocated, all time
+        self.frees = 0            # buffers dropped by `end_step`, all time
+        self.capacity_bytes = 0   # bytes of every buffer the pool owns now (in use + cached)
+        self.cached_bytes = 0     # bytes of the free buffers
+        self.in_use_bytes = 0     # bytes of the buffers handed out now
+        self.step_peak_bytes = 0  # high-water mark of in_use_bytes during this step
+        self.last_step_peak_bytes = 0  # the same for the last completed step
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
             if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            self.allocations += 1
-            self.capacity_bytes += nbytes
-        return self._allocate(nbytes)
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                self.cached_bytes -= buf.numel()
+            else:
+                buf = None
+                self.allocations += 1
+                self.capacity_bytes += nbytes
+        if buf is None:
+            buf = self._allocate(nbytes)
+        with self._lock:
+            self._used.add(id(buf))
+            self._out.add(id(buf))
+            self.in_use_bytes += buf.numel()
+            self.step_peak_bytes = max(self.step_peak_bytes, self.in_use_bytes)
+        return buf
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buf)
+            self._out.discard(id(buf))
+            self.cached_bytes += buf.numel()
+            self.in_use_bytes -= buf.numel()
+
+    def cached_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The free buffers now (for inspection)."""
+        with self._lock:
+            return tuple(self._free)
+
+    def end_step(self) -> int:
+        """A step is complete: drop the free buffers it did not use, then the largest free ones
+        until the cached bytes are within its high-water mark of bytes in use. Returns the bytes
+        dropped."""
+        with self._lock:
+            keep = [b for b in self._free if id(b) in self._used]
+            drop = [b for b in self._free if id(b) not in self._used]
+            keep.sort(key=lambda b: b.numel())
+            cached = sum(b.numel() for b in keep)
+            while keep and cached > self.step_peak_bytes:
+                cached -= keep[-1].numel()
+                drop.append(keep.pop())
+            self._free = keep
+            dropped = sum(b.numel() for b in drop)
+            self.cached_bytes = cached
+            self.capacity_bytes -= dropped
+            self.frees += len(drop)
+            self.last_step_peak_bytes = self.step_peak_bytes
+            self.step_peak_bytes = self.in_use_bytes  # buffers still out count for the next step
+            self._used = set(self._out)
+        del keep, drop  # the pool held the last references: the memory goes now
+        if dropped and self._trim is not None:
+            self._trim()
+        return dropped
 
 
 # --------------------------------------------------------------------------- offloaded tensors
@@ -249,7 +327,7 @@ class ActivationOffloader:
     @property
     def pool(self) -> HostBufferPool:
         if self._pool is None:
-            self._pool = HostBufferPool(self.copies.host_buffer)
+            self._pool = HostBufferPool(self.copies.host_buffer, getattr(self.copies, "trim_host_memory", None))
         return self._pool
 
     def _count(self, nbytes: int) -> None:
@@ -304,10 +382,13 @@ class ActivationOffloader:
     # ---- forward side
     def _new_slot(self, offload: bool) -> _Slot:
         with self._lock:
-            if not any((s := ref()) is not None and not s.reached for ref in self._slots):
+            new_step = not any((s := ref()) is not None and not s.reached for ref in self._slots)
+            if new_step:
                 self._slots = []  # the previous forward's backward is done (or its graph is gone)
             slot = _Slot(len(self._slots), offload)
             self._slots.append(weakref.ref(slot))
+        if new_step and slot.index == 0 and self._pool is not None:
+            self._pool.end_step()  # the step before this forward is complete: trim the pool to it
         return slot
 
     def _is_device_tensor(self, t) -> bool:

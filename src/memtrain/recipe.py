@@ -111,8 +111,10 @@ class ACSection(_Strict):
     backend: Literal["auto", "torch", "deepspeed"] = "auto"
     """auto: DeepSpeed's checkpoint when the JSON asks for partitioning or CPU checkpointing, else torch's."""
     offload_skip_last: NonNegativeInt = 1
-    """With the JSON's cpu_checkpointing on: the last N recomputed layers keep their checkpointed
-    input on the device (the backward needs them first); all earlier ones go to host memory."""
+    """With the JSON's cpu_checkpointing on: the last N offload units keep their checkpointed input on
+    the device (the backward needs them first); all earlier ones go to host memory. A unit is what
+    one checkpoint call keeps an input for: a recomputed layer (or its sublayer), a sqrt segment
+    (its head layer's input), a module matched by policy 'modules'."""
     cpu_checkpointing_impl: Literal["memtrain", "deepspeed"] = "memtrain"
     """Who offloads when the JSON's cpu_checkpointing is on: memtrain (memtrain.offload, either
     backend) or DeepSpeed's own CPU_CHECKPOINT (for comparison; needs the deepspeed backend)."""

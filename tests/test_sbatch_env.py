@@ -1,0 +1,104 @@
+"""slurm/gpus_per_node.sh (ranks per torchrun agent from Slurm's GPU variables) without Slurm:
+the functions run with made-up environments, and slurm/train.sbatch runs with stub srun/scontrol."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+HELPER = ROOT / "slurm" / "gpus_per_node.sh"
+SBATCH = ROOT / "slurm" / "train.sbatch"
+
+
+def _run(function: str, **env):
+    clean = {"PATH": os.environ["PATH"], **env}  # no Slurm or CUDA variable leaks in from this shell
+    return subprocess.run(["bash", "-c", f'source "{HELPER}" && {function}'], env=clean, capture_output=True,
+                          text=True, timeout=30)
+
+
+@pytest.mark.parametrize("env, gpus", [
+    ({}, 0),
+    ({"SLURM_GPUS_ON_NODE": "4"}, 4),
+    ({"SLURM_GPUS_PER_NODE": "8"}, 8),
+    ({"SLURM_GPUS_PER_NODE": "h100:4"}, 4),
+    ({"SLURM_GPUS_PER_NODE": "a100:2,v100:2"}, 4),
+    ({"SLURM_JOB_GPUS": "0,1,2"}, 3),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-6f1c,GPU-99ab"}, 2),
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, 0),
+    ({"SLURM_JOB_GRES": "gpu:4"}, 4),  # --gres=gpu:4, where the old script ran 1 rank per node
+    ({"SLURM_GRES": "gpu:a100:4"}, 4),
+    ({"SLURM_JOB_GRES": "gpu:a100:4(S:0-1),nic:1"}, 4),
+    ({"SBATCH_GRES": "gpu"}, 1),
+    ({"SLURM_TRES_PER_NODE": "gres/gpu:2"}, 2),
+    ({"SLURM_JOB_GRES": "nic:1"}, 0),  # a --gres without GPUs
+    ({"SLURM_GPUS": "8", "SLURM_JOB_NUM_NODES": "2"}, 4),
+    # the most direct variable wins over the others
+    ({"SLURM_GPUS_ON_NODE": "2", "SLURM_GPUS_PER_NODE": "h100:4", "SLURM_JOB_GRES": "gpu:8"}, 2),
+    ({"SLURM_GPUS_PER_NODE": "h100:4", "SLURM_JOB_GRES": "gpu:8"}, 4),
+])
+def test_gpus_per_node(env, gpus):
+    proc = _run("gpus_per_node", **env)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"{gpus}\n", "")
+    ranks = _run("ranks_per_agent", **env)
+    assert (ranks.returncode, ranks.stdout) == (0, f"{max(gpus, 1)}\n")
+
+
+@pytest.mark.parametrize("env", [
+    {"SLURM_JOB_GRES": "gpu:a100:x"},
+    {"SLURM_GPUS_PER_NODE": "h100:four"},
+    {"SLURM_GPUS_ON_NODE": "?"},
+    {"SLURM_GPUS": "6", "SLURM_JOB_NUM_NODES": "4"},  # --gpus=6 over 4 nodes: no even share
+])
+def test_gpus_requested_but_not_countable_fails_with_one_line(env):
+    for function in ("gpus_per_node", "ranks_per_agent"):
+        proc = _run(function, **env)
+        assert proc.returncode == 2 and proc.stdout == ""
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("memtrain: error: GPUs were requested"), proc.stderr
+        name = next(iter(env))
+        assert f"{name}='{env[name]}'" in lines[0] and "NPROC_PER_NODE" in lines[0]
+
+
+def test_nproc_per_node_wins_and_agents_share_a_node():
+    assert _run("ranks_per_agent", NPROC_PER_NODE="3", SLURM_JOB_GRES="gpu:a100:x").stdout == "3\n"
+    assert _run("ranks_per_agent", NPROC_PER_NODE="2", SLURM_GPUS_ON_NODE="8").stdout == "2\n"
+    bad = _run("ranks_per_agent", NPROC_PER_NODE="two")
+    assert bad.returncode == 2 and "NPROC_PER_NODE='two'" in bad.stderr
+    assert _run("ranks_per_agent", SLURM_GPUS_ON_NODE="8", SLURM_NTASKS_PER_NODE="2").stdout == "4\n"
+    odd = _run("ranks_per_agent", SLURM_GPUS_ON_NODE="3", SLURM_NTASKS_PER_NODE="2")
+    assert odd.returncode == 2 and "SLURM_NTASKS_PER_NODE" in odd.stderr
+
+
+def _sbatch(tmp_path: Path, **env):
+    """train.sbatch with stub scontrol/srun: what torchrun would have been started with."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    (stubs / "srun").write_text(f'#!/bin/sh\necho "$@" > "{tmp_path}/srun.args"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    slurm = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "node1",
+             "SLURM_NTASKS": "1", "SLURM_CPUS_ON_NODE": "2", "RUN_DIR": str(tmp_path / "run")}
+    path = f"{stubs}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    proc = subprocess.run(["bash", str(SBATCH), "tiny", "ds_configs/zero3_ckpt.json"], cwd=tmp_path,
+                          env={"PATH": path, "HOME": str(tmp_path), **slurm, **env},
+                          capture_output=True, text=True, timeout=60)
+    args = tmp_path / "srun.args"
+    return proc, args.read_text() if args.exists() else None
+
+
+def test_train_sbatch_starts_one_rank_per_gres_gpu(tmp_path):
+    proc, srun = _sbatch(tmp_path, SLURM_JOB_GRES="gpu:a100:4")
+    assert proc.returncode == 0, proc.stderr
+    assert "--nproc-per-node=4" in srun and "1 agent(s) x 4 rank(s)" in proc.stdout
+
+
+def test_train_sbatch_stops_when_the_gpu_count_is_unknown(tmp_path):
+    proc, srun = _sbatch(tmp_path, SLURM_GPUS_PER_NODE="h100:many")
+    assert proc.returncode == 2 and srun is None
+    assert proc.stderr.count("\n") == 1 and "SLURM_GPUS_PER_NODE='h100:many'" in proc.stderr
