@@ -13,7 +13,8 @@ TRAIN = ROOT / "src" / "train.py"
 sys.path.insert(0, str(ROOT / "src"))
 
 # Small and fast, but the real model/data/engine path.
-FAST = ["--set", "data.seq_len=64", "--set", "train.micro_batch_size=4", "--set", "data.max_bytes=400000"]
+FAST = ["--set", "data.seq_len=64", "--set", "train.micro_batch_size=4", "--set", "data.max_bytes=400000",
+        "--set", "train.log_every=1"]  # one TensorBoard point per step
 
 
 def _env() -> dict:
