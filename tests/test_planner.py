@@ -6,7 +6,10 @@
 * predicted activation peak of mixed plans vs a real step's tracked live bytes;
 * predicted model states vs what a real DeepSpeed engine holds on CPU (ZeRO-2 and ZeRO-3);
 * the DP against brute force; `auto` training the default recipe under a budget that forces a
-  mixed plan; `python -m memtrain.plan` on every shipped recipe.
+  mixed plan; `python -m memtrain.plan` on every shipped recipe;
+* predict_run for full, sqrt and modules: plans vs the CPU allocator's own memory events (the
+  profiler) in a real step; the offload prefetch term vs the restores counted at the copy engine;
+  ZeRO-1/2 reduce buckets vs the buffers a real DeepSpeed engine holds in its backward.
 """
 import itertools
 import json
@@ -180,6 +183,26 @@ def test_dp_is_exact_and_beats_uniform_policies(tiny):
     assert planner.smallest_peak(profile, choices)[0] == pytest.approx(lo, rel=0.001)
 
 
+def test_dp_with_offload_keeps_its_plans_within_the_limit(tiny):
+    """With full+offload among the choices the DP carries the prefetch term in its state: every
+    plan it returns fits under the exact model (activation_peak with PREFETCH_DEPTH), and some
+    limit calls for offload."""
+    _, _, profile = tiny
+    choices = planner.available_choices(profile, "torch", offload=True)
+    assert "full+offload" in choices
+    rates = mm.Rates(1e12, 1e11, 1e10, "cpu")
+    seconds = {c: planner.choice_seconds(profile, rates, c) for c in choices}
+    plans = [p for p in itertools.product(choices, repeat=profile.num_layers) if not p[-1].endswith("+offload")]
+    peaks = sorted({mm.activation_peak(profile, p)[0] for p in plans})
+    offloaded = 0
+    for limit in peaks[:: max(1, len(peaks) // 40)]:
+        chosen = planner.solve(profile, limit, choices, seconds)
+        if chosen is not None:
+            assert mm.activation_peak(profile, chosen)[0] <= limit, (limit, chosen)
+            offloaded += any(c.endswith("+offload") for c in chosen)
+    assert offloaded
+
+
 def test_nothing_fits_says_what_would(tiny):
     recipe, config, profile = tiny
     ds = load_ds_config(ZERO3)
@@ -249,3 +272,212 @@ def test_plan_cli_budget_table(capsys):
         plan_cli.main(["--budget", "lots"])
     assert e.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- any ACPlan, against the allocator
+
+def _allocator_peak(model, ids) -> int:
+    """Peak bytes the CPU allocator holds during one forward+backward, above what was held before:
+    torch.profiler's memory events (every allocation and free, from the allocator itself), not
+    memtrain's tracker. Parameter gradients are dropped as soon as they are accumulated (the
+    memory model counts them with the model states)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _real_model(recipe, layers: int, batch: int = 4, seq: int = 128):
+    config = mm.model_and_config(recipe)
+    target = mm.Target("cpu", "float32", batch, seq, 1)
+    torch.manual_seed(0)
+    model = mm._fake_model(config, layers, target)  # real tensors: no fake mode here
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return config, target, model, ids
+
+
+@pytest.mark.parametrize("policy, modules", [
+    ("full", ()),
+    ("sqrt", ()),  # segments of 2 layers: (0, 2), (2, 4)
+    ("modules", ("model.layers.*.self_attn", "model.layers.*.mlp")),  # both sublayers: a measured mode
+    ("modules", ("model.layers.0", "model.layers.*.mlp")),  # layer 0 whole, then the MLPs of the others
+])
+def test_predict_run_matches_the_allocator(policy, modules):
+    """predict_run's activation peak for a policy against a real fp32 CPU step of a 4-layer Llama
+    with the plan applied, measured by the CPU allocator's own events (10%)."""
+    from memtrain.ac import ACPlan
+
+    recipe = load_recipe(None, ["train.micro_batch_size=4"])
+    config, target, model, ids = _real_model(recipe, 4)
+    if policy == "modules":
+        plan = ACPlan("modules", ("keep",) * 4, "torch", modules=modules)
+    else:
+        plan = build_plan(policy, "torch", ac_section({}), 4)
+    assert bool(plan.segments) == (policy == "sqrt")
+    pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
+    assert not pred.notes
+    apply_plan(model, plan)
+    measured = _allocator_peak(model, ids)
+    assert pred.activation_peak == pytest.approx(measured, rel=0.10), (policy, modules, pred.phase)
+
+
+def test_predict_run_says_what_it_cannot_model():
+    from memtrain.ac import ACPlan
+
+    recipe = load_recipe(None, ["train.micro_batch_size=1"])
+    config = mm.model_and_config(recipe)
+    target = mm.Target("cpu", "float32", 1, 128, 1)
+    plan = ACPlan("modules", ("keep",) * 4, "torch", modules=("lm_head", "model.layers.*.mlp"))
+    pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
+    assert len(pred.notes) == 1 and "lm_head" in pred.notes[0] and "not modelled" in pred.notes[0]
+    mlp = planner.predict_run(recipe, load_ds_config(ZERO3), 1, build_plan("selective:mlp", "torch", ac_section({}), 4),
+                              config, target)
+    assert pred.activation_peak == mlp.activation_peak  # the MLP part is modelled as selective:mlp
+
+
+def test_offload_prefetch_term_matches_restores_on_cpu():
+    """memtrain's offload on CPU (synchronous copies, so the restores are observable): a 6-layer
+    Llama, full recompute, the inputs of layers 0-4 offloaded. The second step (the host pool is
+    warm, so host buffers are not allocated in it) peaks where the model says, with PREFETCH_DEPTH
+    restored inputs beside the one in use: the allocator's peak within 2% (the term is ~7% of it),
+    and the most restored inputs alive at once, counted at the copy engine, equals the model's."""
+    import weakref
+
+    from memtrain.offload import PREFETCH_DEPTH
+
+    recipe = load_recipe(None, ["train.micro_batch_size=4", "model.config.num_hidden_layers=6"])
+    config, target, model, ids = _real_model(recipe, 6)
+    plan = build_plan("full", "torch", {**ac_section({}), "cpu_checkpointing": True}, 6)
+    assert plan.memtrain_offload and sum(plan.offload) == 5
+    pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
+    apply_plan(model, plan)
+    copies = model.ac_offloader.copies
+    restored, most = [], [0]
+    to_device = copies.to_device
+
+    def counting(src):
+        t, ready = to_device(src)
+        if src.numel() * src.element_size() == target.micro_batch_size * target.seq_len * config.hidden_size * 4:
+            restored.append(weakref.ref(t))  # a layer's hidden-state input (not its rotary cos/sin)
+            most[0] = max(most[0], sum(r() is not None for r in restored))
+        return t, ready
+
+    copies.to_device = counting
+    _allocator_peak(model, ids)  # warms the host pool
+    restored.clear()
+    most[0] = 0
+    measured = _allocator_peak(model, ids)
+    input_bytes = mm.profile_activations(config, target).layers["full"].input_bytes
+    assert pred.prefetched == PREFETCH_DEPTH * input_bytes and pred.phase.startswith("backward")
+    assert most[0] == 1 + pred.prefetched // input_bytes
+    assert pred.activation_peak == pytest.approx(measured, rel=0.02), pred.phase
+
+
+_DS_BUCKETS = r"""
+import json, os, socket, sys, torch
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+import deepspeed
+from pathlib import Path
+from memtrain import memory_model as mm
+from memtrain.ds_config import load_ds_config, resolve_ds_config
+from memtrain.model import build_model
+from memtrain.recipe import load_recipe
+
+deepspeed.init_distributed(verbose=False)
+recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
+config = mm.model_and_config(recipe)
+ids = torch.randint(0, 257, (1, 32))
+out = []
+for case in sys.argv[2:]:
+    stage, overlap, bucket = case.split(",")
+    raw = load_ds_config(sys.argv[1])
+    raw.pop("tensorboard", None)
+    raw["zero_optimization"].update(stage=int(stage), overlap_comm=overlap == "1", reduce_bucket_size=int(bucket))
+    cfg = resolve_ds_config(raw, recipe, 1, Path("unused"), 0)
+    model = build_model(recipe.model, config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    opt = engine.optimizer
+    seen = {"buckets": 0, "scratch": 0, "backward": False}
+    release = opt._release_ipg_buffers
+
+    def _release():  # what the backward's ipg buckets hold, just before DeepSpeed frees them
+        seen["buckets"] = max(seen["buckets"], sum(b.untyped_storage().nbytes() for bucket in opt.ipg_buckets.values()
+                                                   for b in bucket.buffer))
+        release()
+
+    flatten = opt.flatten
+
+    def _flatten(tensors):  # a copy the reduction makes (a one-tensor flatten is a view: nothing)
+        t = flatten(tensors)
+        if seen["backward"] and all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in tensors):
+            seen["scratch"] = max(seen["scratch"], t.untyped_storage().nbytes())
+        return t
+
+    opt._release_ipg_buffers, opt.flatten = _release, _flatten
+    loss = engine(input_ids=ids, labels=ids).loss
+    seen["backward"] = True
+    engine.backward(loss)
+    seen["backward"] = False
+    target = mm.make_target(recipe, cfg, 1, "cpu")
+    states = mm.model_states(mm.profile_activations(config, target, ("keep",)), cfg, target)
+    out.append({"case": case, "buckets": seen["buckets"], "scratch": seen["scratch"],
+                "predicted_buckets": states.reduce_buckets, "predicted_scratch": states.reduce_scratch})
+    del engine, model, opt
+print(json.dumps(out))
+"""
+
+
+def test_zero12_reduce_buckets_match_deepspeed_on_cpu():
+    """Real ZeRO-1 (overlap_comm on) and ZeRO-2 (off) engines, world 1, fp32: the ipg bucket
+    tensors DeepSpeed holds in the backward (read just before it frees them) and the copies its
+    reduction flattens, against ModelStates.reduce_buckets / reduce_scratch."""
+    cases = ["1,1,200000", "2,0,200000"]
+    proc = subprocess.run([sys.executable, "-c", _DS_BUCKETS, str(ROOT / "ds_configs" / "zero2_ckpt.json"), *cases],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+    assert_ok(proc)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["case"] for r in result] == cases
+    for r in result:
+        assert r["buckets"] > 0 and r["predicted_buckets"] == r["buckets"], r
+        assert r["predicted_scratch"] == r["scratch"], r
+    assert result[0]["buckets"] == 2 * result[1]["buckets"]  # overlap_comm double-buffers
+
+
+def test_zero12_reduce_buffers_count_in_the_backward_only(tiny):
+    """The buckets exist from the first gradient to the end of the backward: they add to the
+    backward-phase candidates (head, layers' backward, embedding backward), not to the forward's,
+    nor to the update's. A profile whose forward peaks above its backward by less than the buckets: with
+    the buckets, the backward is the peak."""
+    from dataclasses import replace
+
+    _, config, profile = tiny
+    ds = load_ds_config(str(ROOT / "ds_configs" / "zero2_ckpt.json"))
+    states = mm.model_states(profile, ds, mm.Target("cpu", "float32", 1, 128, 2))
+    assert states.reduce_buckets == 4 * int(5e7) * 2 and states.reduce_scratch > 0
+    plan = ("keep",) * 4
+    backward, phase = mm.activation_peak(profile, plan)
+    assert not phase.startswith("forward")
+    keep = replace(profile.layers["keep"], fwd_excess=backward - profile.base + states.backward // 4)
+    forward_heavy = replace(profile, layers={**profile.layers, "keep": keep})
+    assert mm.activation_peak(forward_heavy, plan)[1].startswith("forward")
+    pred = mm.predict(forward_heavy, states, plan)
+    assert pred.phase == phase and pred.reduce_buffers == states.backward
+    assert pred.peak == states.total + backward + states.backward + pred.margin

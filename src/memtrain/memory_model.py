@@ -11,6 +11,14 @@ run separates the layer from what lies around it. A tracker follows every tensor
 the step (`_StepTracker`), so the measurement covers any decoder family, attention kernel, dtype
 and whatever the AC modes really keep. The layer count scales it: the live bytes at any point
 are prefix sums of per-layer costs (`activation_peak`), which tests check against real steps.
+
+Any ACPlan maps onto it (`predict_plan`, memtrain.planner.predict_run): per-layer modes, sqrt
+segments (one unit of k full layers: one layer's resident bytes, a k-layer recompute working
+set), modules patterns (matched sublayers as their modes, anything else inside a layer measured
+as a mode of its own; matches outside the layers are named in `Prediction.notes`), memtrain's
+offload (PREFETCH_DEPTH restored inputs ahead during the backward; on CUDA the side-stream copy
+holding an input through the next forward), ZeRO-1/2 reduce buckets (backward only), and the
+allocator margin (ALLOCATOR_MARGIN: a placeholder until measured on a GPU).
 """
 from __future__ import annotations
 
@@ -30,6 +38,16 @@ from .errors import UserError
 from .metrics import GIB, ActivationMeter
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
+
+# Allocator margin on CUDA: what torch.cuda.max_memory_allocated() shows above the live tensors
+# this model adds up (block rounding is already in the measured sizes; this is what is left:
+# allocations that briefly overlap, kernels' workspaces, the caching allocator's splitting).
+# PLACEHOLDER until measured: to be calibrated from max_memory_allocated on an H100 against this
+# prediction. Until then it stays what the model always assumed, one more block of the step's
+# largest single allocation (ALLOCATOR_MARGIN x largest_block + ALLOCATOR_MARGIN_BYTES); no GPU
+# figure is assumed. CPU targets have no margin (host memory is not what the budget measures).
+ALLOCATOR_MARGIN = 1.0  # times the step's largest single allocation (placeholder, see above)
+ALLOCATOR_MARGIN_BYTES = 0  # fixed bytes on top (placeholder, see above)
 
 
 # --------------------------------------------------------------------------- target
@@ -86,6 +104,13 @@ class ModelStates:
     gathered: int  # ZeRO-3: the module being computed and the prefetch bucket, gathered in full
     update: int  # fp32 gradients made for the update (mixed precision); only during the step, with no activations
     host: int  # offloaded to host memory (not part of the device peak)
+    reduce_buckets: int = 0  # ZeRO-1/2 ipg reduce buckets: live from the first gradient to the end of the backward
+    reduce_scratch: int = 0  # ZeRO-1/2: the flattened copy of one bucket while it is reduced (backward only)
+
+    @property
+    def backward(self) -> int:
+        """What exists only while gradients are reduced (the backward), not in the forward or the update."""
+        return self.reduce_buckets + self.reduce_scratch
 
     @property
     def total(self) -> int:
@@ -99,6 +124,16 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     c = compute bytes per parameter (2 in bf16/fp16, 4 in fp32). Adam keeps two fp32 moments (8)
     beside an fp32 master copy (4; stages 1-3 keep one in fp32 training too, as measured on CPU).
     Stage >= 1 shards the optimizer, >= 2 the gradients, 3 the parameters.
+
+    ZeRO-1/2 (DeepSpeedZeroOptimizer.setup_buckets, at the first gradient hook of a backward, freed
+    in its epilogue): with contiguous_gradients one ipg bucket of reduce_bucket_size elements per
+    communication dtype, two with overlap_comm (double buffering); with more than one rank,
+    reducing a bucket flattens its per-rank slices into one more tensor of up to the bucket's size
+    (allreduce_and_scatter -> allreduce_bucket; in a world of one the slices merge into one and the
+    flatten is a view: measured, nothing allocated); both in the
+    compute dtype (DeepSpeed's default grad_accum_dtype). allgather_bucket_size allocates
+    nothing: the parameters' all-gather writes into the flat parameter buffer
+    (all_gather_into_tensor_dp_groups; the bucketed fallback gathers into narrowed views of it).
     """
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -122,6 +157,14 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
                     if numel <= zero.param_persistence_threshold)
         persistent = c * small if world > 1 else 0  # in a world of one the partition is the parameter (measured)
         gathered = c * (profile.largest_layer_params + min(zero.prefetch_bucket_size, n))
+    reduce_buckets = reduce_scratch = 0
+    if stage in (1, 2):
+        g = c  # the gradient dtype (data_types.grad_accum_dtype apart from it is not modelled)
+        if zero.contiguous_gradients or offload_opt:  # DeepSpeed turns contiguous gradients on for offload
+            reduce_buckets = g * int(zero.reduce_bucket_size) * (2 if zero.overlap_comm else 1)
+        if world > 1:  # in a world of one a bucket's slices merge into one view: nothing is copied
+            largest_param = max((numel for numel, _ in profile.param_sizes), default=0)
+            reduce_scratch = g * min(n, max(int(zero.reduce_bucket_size), largest_param))
     host = 0
     if offload_opt:  # the update runs on the host: optimizer states and gradient partitions live there
         host += optimizer + update + (grads if stage >= 2 else 0)
@@ -130,7 +173,8 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     if offload_param:
         host += params
         params = 0
-    return ModelStates(params, grads, optimizer, buckets, persistent, gathered, update, host)
+    return ModelStates(params, grads, optimizer, buckets, persistent, gathered, update, host,
+                       reduce_buckets, reduce_scratch)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -303,13 +347,39 @@ def _param_shapes(model, num_layers: int) -> tuple[int, int, tuple[tuple[int, in
     return total, largest, tuple(sorted(sizes.items()))
 
 
-def _run(model, modes: tuple[str, ...], target: Target) -> dict:
-    """One forward+backward under a per-layer plan: the live-bytes curve with per-layer marks."""
+MODULES = "modules:"  # a measured mode: "modules:mlp.act_fn|self_attn.q_proj", paths inside a layer
+
+
+def modules_mode(paths) -> str:
+    """The mode key of recomputing these modules (paths relative to a decoder layer) inside every layer."""
+    return MODULES + "|".join(sorted(paths))
+
+
+def _mode_plan(model, modes) -> ac.ACPlan:
+    """The ACPlan a measured per-layer mode tuple stands for (modules modes: the same paths in every layer)."""
+    from .model import decoder_layers
+
+    if isinstance(modes, ac.ACPlan):
+        return modes
+    path, _ = decoder_layers(model)
+    layers, modules = [], []
+    for i, mode in enumerate(modes):
+        if mode.startswith(MODULES):
+            layers.append(ac.KEEP)
+            modules += [f"{path}.{i}.{rel}" for rel in mode[len(MODULES):].split("|")]
+        else:
+            layers.append(mode)
+    return ac.ACPlan(policy="profile", layers=tuple(layers), backend="torch", modules=tuple(modules))
+
+
+def _run(model, modes, target: Target) -> dict:
+    """One forward+backward under a per-layer plan (mode tuple or ACPlan): the live-bytes curve with
+    per-layer marks."""
     from .ac_profile import _flop_counter
     from .model import decoder_layers
 
     _, layers = decoder_layers(model)
-    ac.apply_plan(model, ac.ACPlan(policy="profile", layers=modes, backend="torch"))
+    ac.apply_plan(model, _mode_plan(model, modes))
     flop_counter = _flop_counter()
     tracker = _StepTracker(flop_counter.get_total_flops, CUDA_BLOCK if target.device == "cuda" else 1)
     state = {"backward": False, "input_bytes": 0}
@@ -398,19 +468,66 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
     layer leaves alive, its transient peaks and its FLOPs. A 2-layer model without recompute runs
     once more: the difference in saved bytes is one kept layer, which separates what the layer
     saves from what embeddings, final norm, logits and loss save (the same in every mode).
+    Modes may include `modules_mode(paths)`: those modules inside the layer recomputed.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     modes = tuple(modes or supported_modes())
     if ac.KEEP not in modes:
         modes = (ac.KEEP, *modes)
+    extra = tuple(m for m in modes if m.startswith(MODULES))
+    modes = tuple(m for m in modes if m not in extra)
     key = (config.to_json_string(), target, modes)
     if key not in _PROFILES:
         _PROFILES[key] = _measure_profile(config, target, modes)
-    return _PROFILES[key]
+    profile = _PROFILES[key]
+    if not extra:
+        return profile
+    layers = dict(profile.layers)
+    for mode in extra:
+        mkey = (config.to_json_string(), target, mode)
+        if mkey not in _MODE_COSTS:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences():
+                run = _run(_fake_model(config, 1, target), (mode,), target)
+            _MODE_COSTS[mkey] = (_layer_cost(run, profile.outside_saved, profile.layers[ac.KEEP]),
+                                 run["largest_block"])
+        layers[mode] = _MODE_COSTS[mkey][0]
+    largest = max([profile.largest_block] + [_MODE_COSTS[(config.to_json_string(), target, m)][1] for m in extra])
+    return replace(profile, layers=layers, largest_block=largest)
 
 
 _PROFILES: dict[tuple, "ActivationProfile"] = {}  # deterministic: measure once per process
+_MODE_COSTS: dict[tuple, tuple["LayerCost", int]] = {}  # modules modes, measured on demand
+
+
+def _live(run, mark):
+    return run["curve"][run["marks"][mark][0]]
+
+
+def _peak(run, start, stop):
+    return max(run["curve"][run["marks"][start][0]:run["marks"][stop][0] + 1])
+
+
+def _delta(run, start, stop, what):  # FLOPs (1) or bytes written (2) between two marks
+    return run["marks"][stop][what] - run["marks"][start][what]
+
+
+def _layer_cost(run, outside_saved: int, keep: Optional[LayerCost] = None) -> LayerCost:
+    """Layer 0's costs from a 1-layer run; with `keep`, its extra over keeping everything as well."""
+    cost = LayerCost(
+        saved=run["saved"] - outside_saved,
+        resident=_live(run, "fwd_end0") - _live(run, "fwd_start0"),
+        fwd_excess=_peak(run, "fwd_start0", "fwd_end0") - _live(run, "fwd_start0"),
+        bwd_excess=_peak(run, "bwd_start0", "bwd_end0") - _live(run, "bwd_start0"),
+        input_bytes=run["input_bytes"],
+        fwd_flops=_delta(run, "fwd_start0", "fwd_end0", 1),
+        bwd_flops=_delta(run, "bwd_start0", "bwd_end0", 1),
+        bwd_written=_delta(run, "bwd_start0", "bwd_end0", 2),
+    )
+    if keep is None:
+        return cost
+    return replace(cost, recompute_flops=max(0.0, cost.bwd_flops - keep.bwd_flops),
+                   recompute_written=max(0.0, cost.bwd_written - keep.bwd_written))
 
 
 def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> ActivationProfile:
@@ -424,32 +541,8 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> Activati
             runs[mode] = _run(model, (mode,), target)
         two_keep = _run(_fake_model(config, 2, target), (ac.KEEP, ac.KEEP), target)
     outside_saved = 2 * runs[ac.KEEP]["saved"] - two_keep["saved"]
-
-    def live(run, mark):
-        return run["curve"][run["marks"][mark][0]]
-
-    def peak(run, start, stop):
-        return max(run["curve"][run["marks"][start][0]:run["marks"][stop][0] + 1])
-
-    def delta(run, start, stop, what):  # FLOPs (1) or bytes written (2) between two marks
-        return run["marks"][stop][what] - run["marks"][start][what]
-
-    layers = {}
-    for mode, run in runs.items():
-        layers[mode] = LayerCost(
-            saved=run["saved"] - outside_saved,
-            resident=live(run, "fwd_end0") - live(run, "fwd_start0"),
-            fwd_excess=peak(run, "fwd_start0", "fwd_end0") - live(run, "fwd_start0"),
-            bwd_excess=peak(run, "bwd_start0", "bwd_end0") - live(run, "bwd_start0"),
-            input_bytes=run["input_bytes"],
-            fwd_flops=delta(run, "fwd_start0", "fwd_end0", 1),
-            bwd_flops=delta(run, "bwd_start0", "bwd_end0", 1),
-            bwd_written=delta(run, "bwd_start0", "bwd_end0", 2),
-        )
-    keep = layers[ac.KEEP]
-    layers = {m: LayerCost(**{**asdict(c), "recompute_flops": max(0.0, c.bwd_flops - keep.bwd_flops),
-                              "recompute_written": max(0.0, c.bwd_written - keep.bwd_written)})
-              for m, c in layers.items()}
+    keep = _layer_cost(runs[ac.KEEP], outside_saved)
+    layers = {mode: _layer_cost(run, outside_saved, keep) for mode, run in runs.items()}
     run = runs[ac.KEEP]  # the parts around the layers do not depend on the layers' mode
     return ActivationProfile(
         target=target,
@@ -459,10 +552,10 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> Activati
         param_sizes=param_sizes,
         layers=layers,
         outside_saved=outside_saved,
-        base=live(run, "fwd_start0"),
-        head_excess=peak(run, "fwd_end0", "bwd_start0") - live(run, "fwd_end0"),
-        head_net=live(run, "bwd_start0") - live(run, "fwd_end0"),
-        tail_excess=peak(run, "bwd_end0", "end") - live(run, "bwd_end0"),
+        base=_live(run, "fwd_start0"),
+        head_excess=_peak(run, "fwd_end0", "bwd_start0") - _live(run, "fwd_end0"),
+        head_net=_live(run, "bwd_start0") - _live(run, "fwd_end0"),
+        tail_excess=_peak(run, "bwd_end0", "end") - _live(run, "bwd_end0"),
         largest_block=max(r["largest_block"] for r in (*runs.values(), two_keep)),
     )
 
@@ -486,6 +579,13 @@ def choice_mode(choice: str) -> tuple[str, bool]:
     return (choice[: -len(OFFLOAD)], True) if choice.endswith(OFFLOAD) else (choice, False)
 
 
+def allocator_margin(profile: ActivationProfile) -> int:
+    """The allocator margin of a step (CUDA only): see ALLOCATOR_MARGIN, a placeholder until measured."""
+    if profile.target.device != "cuda":
+        return 0
+    return int(ALLOCATOR_MARGIN * profile.largest_block) + ALLOCATOR_MARGIN_BYTES
+
+
 @dataclass
 class Prediction:
     """Predicted peak device memory of one training step, by component (bytes)."""
@@ -493,17 +593,22 @@ class Prediction:
     model_states: ModelStates
     saved_activations: int  # at the end of the forward (what ActivationMeter measures), device part
     saved_per_layer: dict[str, int]  # per choice: bytes one layer keeps on the device
-    recompute_working_set: int  # the largest recomputed layer's backward working set
+    recompute_working_set: int  # the largest recomputed unit's backward working set (a sqrt segment: all its layers)
     logits_and_loss: int  # saved outside the layers plus the head's transient peak
     activation_peak: int  # the activation part of the peak, over forward, loss and backward
-    margin: int  # allocator margin: one more block of the step's largest allocation (CUDA only)
+    margin: int  # allocator margin (CUDA only): ALLOCATOR_MARGIN, a placeholder until measured on a GPU
     phase: str  # where the peak happens
     host_activations: int = 0  # offloaded checkpoints on the host
+    prefetched: int = 0  # in activation_peak: offloaded inputs restored ahead of their layers (prefetch)
+    side_stream: int = 0  # in activation_peak: an offloaded input its device-to-host copy still holds (CUDA)
+    reduce_buffers: int = 0  # ZeRO-1/2 reduce buckets and scratch at the peak (0 when it is in the forward)
+    notes: tuple[str, ...] = ()  # what the prediction leaves out or assumes (e.g. a modules pattern not modelled)
 
     @property
     def peak(self) -> int:
         """The larger of the forward/backward peak and the optimizer step's (no activations then)."""
-        return self.model_states.total + max(self.activation_peak, self.model_states.update) + self.margin
+        return self.model_states.total + max(self.activation_peak + self.reduce_buffers,
+                                             self.model_states.update) + self.margin
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -520,48 +625,237 @@ def layer_footprint(profile: ActivationProfile, choice: str) -> tuple[int, int, 
     return c.resident - moved, c.fwd_excess, c.bwd_excess + moved  # offloaded input comes back for backward
 
 
-def activation_peak(profile: ActivationProfile, choices: tuple[str, ...]) -> tuple[int, str]:
-    """The activation peak of a plan, and its phase.
+@dataclass(frozen=True)
+class Unit:
+    """One checkpointed call of a plan in layer order: a layer (`layers` 1), or a sqrt segment of
+    `layers` consecutive full layers recomputed as one unit."""
 
-    Forward of layer i: base + resident of layers < i + its forward transient.
-    Head (logits, loss, their backward): base + all residents + head transient.
-    Backward of layer i: base + residents of layers <= i + head_net + its backward transient.
+    choice: str
+    first: int  # its first layer
+    layers: int = 1
+
+    @property
+    def mode(self) -> str:
+        return choice_mode(self.choice)[0]
+
+    @property
+    def offload(self) -> bool:
+        return choice_mode(self.choice)[1]
+
+    @property
+    def slot(self) -> bool:
+        """Whether memtrain's offloader sees it (a checkpointed layer or segment; not modules: patterns)."""
+        return self.mode != ac.KEEP and not self.mode.startswith(MODULES)
+
+    def name(self) -> str:
+        return f"layer {self.first}" if self.layers == 1 else f"layers {self.first}-{self.first + self.layers - 1}"
+
+
+def plan_units(choices: tuple[str, ...], segments=()) -> list[Unit]:
+    """Per-layer choices and sqrt segments ((start, stop) ranges of full layers) -> units in layer order."""
+    stops = dict(segments)
+    units, i = [], 0
+    while i < len(choices):
+        k = stops.get(i, i + 1) - i
+        units.append(Unit(choices[i], i, k))
+        i += k
+    return units
+
+
+def unit_footprint(profile: ActivationProfile, unit: Unit) -> tuple[int, int, int]:
+    """(resident, forward transient, backward transient) of a unit.
+
+    A segment of k full layers keeps only its input: it leaves one full layer's resident bytes
+    (its output) alive; inside its forward the previous layer's output is alive while the next
+    layer runs; its backward recomputes all k layers at once, keeping everything, so its working
+    set is k-1 kept layers' resident bytes plus one full layer's recompute-and-backward set.
     """
-    best, phase, prefix = 0, "", profile.base
-    for i, choice in enumerate(choices):
-        resident, fwd, bwd = layer_footprint(profile, choice)
-        for value, name in ((prefix + fwd, f"forward of layer {i}"),
-                            (prefix + resident + profile.head_net + bwd, f"backward of layer {i}")):
-            if value > best:
-                best, phase = value, name
+    if unit.layers == 1:
+        return layer_footprint(profile, unit.choice)
+    keep, full = profile.layers[ac.KEEP], profile.layers[unit.mode]
+    moved = full.input_bytes if unit.offload else 0
+    fwd = max(full.fwd_excess, full.resident + full.fwd_excess)
+    bwd = (unit.layers - 1) * keep.resident + full.bwd_excess + moved
+    return full.resident - moved, fwd, bwd
+
+
+def _walk(profile: ActivationProfile, units: list[Unit], prefetch_depth: int, side_stream: bool,
+          backward_extra: int):
+    """Every candidate peak of a plan: (activation bytes, phase, prefetched, side-stream bytes, in the backward).
+
+    Forward of unit u: base + resident of units < u + its forward transient (+ on CUDA the input of
+    the unit before it, when offloaded, until its device-to-host copy is done: the copy overlaps
+    the next unit's forward, and `record_stream` keeps the memory until then).
+    Head (logits, loss, their backward): base + all residents + head transient.
+    Backward of unit u: base + residents of units <= u + head_net + its backward transient
+    + the offloaded inputs memtrain.offload has restored ahead: when the backward reaches a
+    checkpointed unit it copies back the inputs of the next `prefetch_depth` offloaded units it
+    will recompute, so during u's backward the nearest `prefetch_depth` offloaded units below u
+    are on the device too (once any checkpointed unit at or above u has been reached).
+    `backward_extra` (ZeRO-1/2 reduce buffers) counts in the head, backward and embedding backward.
+    """
+    inputs = [profile.layers[u.mode].input_bytes if u.offload else 0 for u in units]
+    reached = [False] * len(units)  # some checkpointed unit at or above u: the prefetch has started
+    for u in range(len(units) - 1, -1, -1):
+        reached[u] = units[u].slot or (u + 1 < len(units) and reached[u + 1])
+    out, prefix = [], profile.base
+    for u, unit in enumerate(units):
+        resident, fwd, bwd = unit_footprint(profile, unit)
+        side = inputs[u - 1] if side_stream and u > 0 else 0
+        ahead = 0
+        if prefetch_depth and reached[u]:
+            below = [inputs[j] for j in range(u - 1, -1, -1) if units[j].offload][:prefetch_depth]
+            ahead = sum(below)
+        out.append((prefix + fwd + side, f"forward of {unit.name()}", 0, side, False))
+        out.append((prefix + resident + profile.head_net + bwd + ahead, f"backward of {unit.name()}", ahead, 0, True))
         prefix += resident
-    if prefix + profile.head_excess > best:
-        best, phase = prefix + profile.head_excess, "logits/loss"
-    tail = profile.base + profile.head_net + profile.tail_excess
-    if tail > best:
-        best, phase = tail, "embedding backward"
-    return best, phase
+    out.append((prefix + profile.head_excess, "logits/loss", 0, 0, True))
+    out.append((profile.base + profile.head_net + profile.tail_excess, "embedding backward", 0, 0, True))
+    return out
 
 
-def predict(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...]) -> Prediction:
-    peak, phase = activation_peak(profile, choices)
+def _best(candidates, backward_extra: int):
+    return max(candidates, key=lambda c: c[0] + (backward_extra if c[4] else 0))
+
+
+def activation_peak(profile: ActivationProfile, choices: tuple[str, ...], segments=(),
+                    prefetch_depth: Optional[int] = None, backward_extra: int = 0) -> tuple[int, str]:
+    """The activation peak of a plan, and its phase (see `_walk`). `backward_extra` takes part in
+    choosing the phase but is not in the returned bytes."""
+    from .offload import PREFETCH_DEPTH
+
+    depth = PREFETCH_DEPTH if prefetch_depth is None else prefetch_depth
+    best = _best(_walk(profile, plan_units(choices, segments), depth, profile.target.device == "cuda" and depth > 0,
+                       backward_extra), backward_extra)
+    return best[0], best[1]
+
+
+def predict(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...], segments=(),
+            offload_impl: str = "memtrain", notes: tuple[str, ...] = ()) -> Prediction:
+    """The prediction for per-layer choices (modes, '+offload' where the layer's input goes to the
+    host) and sqrt segments. memtrain's offload prefetches PREFETCH_DEPTH layers ahead and copies
+    on a side stream; DeepSpeed's own CPU_CHECKPOINT (offload_impl 'deepspeed') brings each input
+    back when its recompute needs it."""
+    from .offload import PREFETCH_DEPTH
+
+    memtrain = offload_impl == "memtrain"
+    depth = PREFETCH_DEPTH if memtrain else 0
+    units = plan_units(choices, segments)
+    value, phase, ahead, side, backward = _best(
+        _walk(profile, units, depth, profile.target.device == "cuda" and memtrain, states.backward), states.backward)
     saved_per = {}
-    for choice in dict.fromkeys(choices):
-        mode, offload = choice_mode(choice)
-        saved_per[choice] = profile.layers[mode].saved - (profile.layers[mode].input_bytes if offload else 0)
-    recomputed = [layer_footprint(profile, c)[2] for c in choices if choice_mode(c)[0] != ac.KEEP]
-    host = sum(profile.layers[choice_mode(c)[0]].input_bytes for c in choices if choice_mode(c)[1])
+    saved = profile.outside_saved
+    for unit in units:
+        c = profile.layers[unit.mode]
+        key = unit.choice if unit.layers == 1 else f"{unit.choice} (segment of {unit.layers})"
+        saved_per[key] = c.saved - (c.input_bytes if unit.offload else 0)
+        saved += saved_per[key]
+    recomputed = [unit_footprint(profile, u)[2] for u in units if u.mode != ac.KEEP]
+    host = sum(profile.layers[u.mode].input_bytes for u in units if u.offload)
     return Prediction(
         model_states=states,
-        saved_activations=profile.outside_saved + sum(saved_per[c] for c in choices),
+        saved_activations=saved,
         saved_per_layer=saved_per,
         recompute_working_set=max(recomputed, default=0),
         logits_and_loss=profile.outside_saved + profile.head_excess,
-        activation_peak=peak,
-        margin=profile.largest_block if profile.target.device == "cuda" else 0,
+        activation_peak=value,
+        margin=allocator_margin(profile),
         phase=phase,
         host_activations=host,
+        prefetched=ahead,
+        side_stream=side,
+        reduce_buffers=states.backward if backward else 0,
+        notes=tuple(notes),
     )
+
+
+# --------------------------------------------------------------------------- any ACPlan
+
+def _layer_module_names(model) -> tuple[str, list[str]]:
+    """(path of the decoder-layer list, module paths inside layer 0 relative to it, '' = the layer)."""
+    from .model import decoder_layers
+
+    path, layers = decoder_layers(model)
+    return path, [n for n, _ in layers[0].named_modules()]
+
+
+def plan_choices(plan: ac.ACPlan, model1, num_layers: int) -> tuple[tuple[str, ...], list[str]]:
+    """Per-layer choices (measured mode keys, '+offload') of an ACPlan, and notes on what is not modelled.
+
+    `model1` is a 1-layer model of the family (fake or meta tensors): module paths of layer i are
+    those of layer 0 with the index replaced. Patterns go as apply_plan takes them: in order,
+    skipping a match inside (or around) a module already recomputed. Inside layer i, the matched
+    set {the layer} is mode full, {its attention / MLP sublayer} mode attn / mlp, anything else a
+    measured `modules_mode`. Matches outside the decoder layers are not modelled (noted).
+    """
+    layer_path, inside = _layer_module_names(model1)
+    outside = [n for n, _ in model1.named_modules() if n and not (n == layer_path or n.startswith(layer_path + "."))]
+    names = list(outside)
+    for i in range(num_layers):
+        names += [f"{layer_path}.{i}" + (f".{rel}" if rel else "") for rel in inside]
+    sub = {}
+    layer0 = dict(model1.named_modules())[f"{layer_path}.0"]
+    for mode in (ac.ATTN, ac.MLP):
+        try:
+            sub[mode] = next(n for n, m in layer0.named_children() if m is ac._sublayer(layer0, mode))
+        except Exception:  # noqa: BLE001 - a family without that sublayer
+            pass
+    taken = set()
+    for i, mode in enumerate(plan.layers):
+        if mode in (ac.FULL, ac.OP):
+            taken.add(f"{layer_path}.{i}")
+        elif mode in sub:
+            taken.add(f"{layer_path}.{i}.{sub[mode]}")
+    per_layer: list[list[str]] = [[] for _ in range(num_layers)]
+    notes, unmodelled = [], []
+    for text in plan.modules:
+        rx = ac._pattern(text)
+        found = [n for n in names if rx.match(n)]
+        if not found:
+            notes.append(f"modules pattern '{text}' matches no module (apply_plan refuses it); not modelled")
+        for name in found:
+            if any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
+                continue
+            taken.add(name)
+            rest = name[len(layer_path) + 1:] if name.startswith(layer_path + ".") else ""
+            index, _, rel = rest.partition(".")
+            if not rest or not index.isdigit():
+                unmodelled.append(name)
+                continue
+            per_layer[int(index)].append(rel)
+    if unmodelled:
+        notes.append(f"modules pattern matches outside the decoder layers not modelled (predicted as kept): "
+                     f"{', '.join(unmodelled[:4])}" + (" ..." if len(unmodelled) > 4 else ""))
+    choices = []
+    for i, mode in enumerate(plan.layers):
+        rels = per_layer[i]
+        if mode == ac.KEEP and rels:
+            if rels == [""]:
+                mode = ac.FULL
+            elif len(rels) == 1 and rels[0] == sub.get(ac.ATTN):
+                mode = ac.ATTN
+            elif len(rels) == 1 and rels[0] == sub.get(ac.MLP):
+                mode = ac.MLP
+            else:
+                mode = modules_mode(rels)
+        offload = i < len(plan.offload) and plan.offload[i] and plan.cpu_checkpointing
+        choices.append(mode + (OFFLOAD if offload and mode != ac.KEEP else ""))
+    return tuple(choices), notes
+
+
+def predict_plan(config, target: Target, ds_config: dict, plan: ac.ACPlan) -> Prediction:
+    """The prediction for any ACPlan the trainer runs (see memtrain.planner.predict_run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model1 = _fake_model(config, 1, target)
+        choices, notes = plan_choices(plan, model1, config.num_hidden_layers)
+    extra = tuple(dict.fromkeys(choice_mode(c)[0] for c in choices if c.startswith(MODULES)))
+    profile = profile_activations(config, target, (*supported_modes(), *extra))
+    states = model_states(profile, ds_config, target)
+    if plan.partition_activations:
+        notes.append("partition_activations not modelled (it shards nothing without model parallelism)")
+    return predict(profile, states, choices, plan.segments, plan.offload_impl, tuple(notes))
 
 
 # --------------------------------------------------------------------------- device rates

@@ -16,8 +16,8 @@ from typing import Optional
 
 from . import ac
 from .errors import UserError, cli_entry
-from .memory_model import (GIB, OFFLOAD, ActivationProfile, choice_mode, make_target, measure_rates, model_and_config,
-                           model_states, parse_size, predict, profile_activations)
+from .memory_model import (GIB, MODULES, OFFLOAD, ActivationProfile, choice_mode, make_target, measure_rates,
+                           model_and_config, model_states, parse_size, predict, predict_plan, profile_activations)
 from .planner import (activation_limit, available_choices, choice_seconds, feasible, predicted_plan, smallest_peak,
                       what_fits)
 
@@ -48,7 +48,7 @@ def profile_at_seq(p1: ActivationProfile, p2: ActivationProfile, seq_len: int) -
 def _fits(profile: ActivationProfile, states, choices, budget: int, uniform: Optional[str]) -> bool:
     if uniform is not None:
         return predict(profile, states, (uniform,) * profile.num_layers).peak <= budget
-    return feasible(profile, activation_limit(profile, states, choices, budget), choices) is not None
+    return feasible(profile, activation_limit(profile, states, choices, budget), choices, states.backward) is not None
 
 
 def _largest(ok, lo: int, hi: int) -> int:
@@ -82,35 +82,54 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
                        + ("for it" if rates.device == target.device else "not measured on GPU")),
         "model_states": {**asdict(states), "total": states.total},
         "policies": {}, "budget": budget,
+        "allocator_margin_note": "placeholder until calibrated on a GPU (memory_model.ALLOCATOR_MARGIN)",
     }
     long_profile = None
     if budget is not None:
         half = replace(target, seq_len=max(1, target.seq_len // 2))
         long_profile = (profile_activations(config, half), profile)
     max_pos = getattr(config, "max_position_embeddings", None) or 1 << 20
-    for choice in (*choices, "auto"):
-        if choice == "auto":
+    extra_rows = _extra_rows(recipe, ds_config, config, target, backend, profile.num_layers)
+    for choice in (*choices, *extra_rows, "auto"):
+        segments, notes = (), ()
+        if choice in extra_rows:
+            plan = extra_rows[choice]
+            pred = predict_plan(config, target, ds_config, plan)
+            row_plan, segments, notes = plan_choices_of(config, target, plan), plan.segments, pred.notes
+            uniform = None
+            profile_row = profile_activations(config, target, (*profile.layers, *(
+                choice_mode(c)[0] for c in row_plan if c.startswith(MODULES))))
+        elif choice == "auto":
             if budget is None:
                 continue
             result = predicted_plan(profile, states, choices, rates, budget)
             if result is None:
                 peak, hint = what_fits(profile, ds_config, target, choices, budget)
                 report["auto"] = {"fits": False, "smallest_peak_gib": peak, "would_fit": hint}
-                row_plan = smallest_peak(profile, choices)[1]
+                row_plan = smallest_peak(profile, choices, states.backward)[1]
             else:
                 report["auto"] = {"fits": True, "layers": list(result.layers), "seconds": result.seconds}
                 row_plan = result.layers
             uniform = None
         else:
             row_plan, uniform = (choice,) * profile.num_layers, choice
-        pred = predict(profile, states, row_plan)
-        seconds = sum(choice_seconds(profile, rates, c) for c in row_plan)
-        flops = sum(profile.layers[choice_mode(c)[0]].recompute_flops for c in row_plan)
+        if choice not in extra_rows:
+            profile_row = profile
+            pred = predict(profile, states, row_plan)
+        # a segment recomputes each of its layers once, as full layers do (the time model has no segments)
+        seconds = sum(choice_seconds(profile_row, rates, c) for c in row_plan) if not segments else None
+        flops = sum(profile_row.layers[choice_mode(c)[0]].recompute_flops for c in row_plan)
         row = {"policy": POLICY_OF.get(choice, choice), "saved_per_layer": pred.saved_per_layer,
                "saved_activations": pred.saved_activations, "recompute_working_set": pred.recompute_working_set,
                "logits_and_loss": pred.logits_and_loss, "activation_peak": pred.activation_peak,
-               "margin": pred.margin, "peak": pred.peak, "phase": pred.phase, "recompute_flops": flops,
-               "extra_seconds": seconds}
+               "prefetched": pred.prefetched, "side_stream": pred.side_stream,
+               "reduce_buffers": pred.reduce_buffers, "margin": pred.margin, "peak": pred.peak,
+               "phase": pred.phase, "recompute_flops": flops, "extra_seconds": seconds, "notes": list(notes)}
+        if budget is not None and choice in extra_rows:
+            row["fits"] = pred.peak <= budget
+            row["max_micro_batch"] = row["max_seq_len"] = None
+            report["policies"][choice] = row
+            continue
         if budget is not None:
             row["fits"] = pred.peak <= budget if uniform else report["auto"]["fits"]
             row["max_micro_batch"] = _largest(lambda mb: _fits(profile.scaled(mb), states, choices, budget, uniform),
@@ -119,6 +138,32 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
                                                           budget, uniform), 1, max_pos)
         report["policies"][choice] = row
     return report
+
+
+def _extra_rows(recipe, ds_config: dict, config, target, backend: str, num_layers: int) -> dict:
+    """Rows beside the uniform per-layer modes: sqrt segments, and the recipe's own policy where
+    it is none of the rows (modules patterns, every:K, first:N, ...)."""
+    from .ds_config import ac_section
+
+    section = recipe.activation_checkpointing
+    ds_ac = {**ac_section(ds_config), "partition_activations": False}
+    rows = {"sqrt": ac.build_plan("sqrt", backend, ds_ac, num_layers, section=None)}
+    policy = section.policy
+    if policy not in ("auto", "none", "full", "sqrt", "op", "selective:attn", "selective:mlp"):
+        try:
+            rows[policy] = ac.build_plan(policy, backend, ds_ac, num_layers, section=section)
+        except UserError:  # the run's own check says why; the table goes on without it
+            pass
+    return rows
+
+
+def plan_choices_of(config, target, plan) -> tuple[str, ...]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .memory_model import _fake_model, plan_choices
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return plan_choices(plan, _fake_model(config, 1, target), config.num_hidden_layers)[0]
 
 
 def format_report(r: dict) -> str:
@@ -136,33 +181,42 @@ def format_report(r: dict) -> str:
         f" + optimizer states {g(ms['optimizer'])}"
         + (f" + ZeRO-3 reduce bucket {g(ms['buckets'])} + persistent parameters {g(ms['persistent'])}"
            f" + gathered parameters {g(ms['gathered'])}" if r["zero_stage"] == 3 else "")
+        + (f"; in the backward: ZeRO-{r['zero_stage']} reduce buckets {g(ms['reduce_buckets'])}"
+           f" + reduce scratch {g(ms['reduce_scratch'])}" if ms["reduce_buckets"] or ms["reduce_scratch"] else "")
         + (f"; the update's fp32 gradients {g(ms['update'])} (optimizer step, no activations then)"
            if ms["update"] else "")
         + (f"; on host: {g(ms['host'])}" if ms["host"] else ""),
         "",
     ]
-    head = ["policy", "saved/layer", "saved", "recompute ws", "logits+loss", "act. peak", "margin", "peak GiB",
-            "peak at", "recompute TFLOP", "extra ms"]
+    head = ["policy", "saved/layer", "saved", "recompute ws", "logits+loss", "act. peak", "prefetch", "ZeRO bufs",
+            "margin", "peak GiB", "peak at", "recompute TFLOP", "extra ms"]
     budget = r["budget"]
     if budget is not None:
         head += ["fits", "max micro-batch", "max seq"]
-    rows = []
+    rows, notes = [], []
     for choice, p in r["policies"].items():
         per_layer = "mixed" if len(p["saved_per_layer"]) > 1 else g(next(iter(p["saved_per_layer"].values())))
         row = [p["policy"], per_layer, g(p["saved_activations"]), g(p["recompute_working_set"]),
-               g(p["logits_and_loss"]), g(p["activation_peak"]), g(p["margin"]), g(p["peak"]), p["phase"],
+               g(p["logits_and_loss"]), g(p["activation_peak"]), g(p["prefetched"] + p["side_stream"]),
+               g(p["reduce_buffers"]), g(p["margin"]), g(p["peak"]), p["phase"],
                f"{p['recompute_flops'] / 1e12:.3f}",
-               f"{p['extra_seconds'] * 1e3:.1f}" if r["rates"]["device"] == t["device"] else "-"]
+               f"{p['extra_seconds'] * 1e3:.1f}" if p["extra_seconds"] is not None
+               and r["rates"]["device"] == t["device"] else "-"]
         if budget is not None:
             row += ["yes" if p["fits"] else "no", str(p["max_micro_batch"] or "-"), str(p["max_seq_len"] or "-")]
         rows.append(row)
+        notes += [f"{p['policy']}: {n}" for n in p.get("notes", ())]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = lambda cells: "  ".join(str(c).ljust(w) if i in (0, 8) else str(c).rjust(w)  # noqa: E731
+    fmt = lambda cells: "  ".join(str(c).ljust(w) if i in (0, 10) else str(c).rjust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths)))
     lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows]
-    lines.append("(GiB per device; 'auto' is the per-layer plan of policy: auto; recompute TFLOP per micro-step, "
-                 "measured; extra ms = predicted recompute and exposed offload time per micro-step, shown when the "
-                 "rates were measured on the target device)")
+    lines.append("(GiB per device; 'auto' is the per-layer plan of policy: auto; 'sqrt' segments of ~sqrt(L) "
+                 "layers; recompute TFLOP per micro-step, measured; prefetch = offloaded inputs restored ahead "
+                 "(and held by the side-stream copy) at the peak, in act. peak; ZeRO bufs = ZeRO-1/2 reduce buckets "
+                 "at the peak; margin = allocator margin, a placeholder until calibrated on a GPU; extra ms = "
+                 "predicted recompute and exposed offload time per micro-step, shown when the rates were measured "
+                 "on the target device)")
+    lines += [f"note: {n}" for n in notes]
     if budget is not None:
         auto = r["auto"]
         if auto["fits"]:

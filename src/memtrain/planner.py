@@ -22,7 +22,7 @@ from typing import Optional
 from . import ac
 from .errors import UserError
 from .memory_model import (OFFLOAD, ActivationProfile, ModelStates, Prediction, Rates, Target, activation_peak,
-                           choice_mode, gib, layer_footprint, model_states, predict)
+                           allocator_margin, choice_mode, gib, layer_footprint, model_states, predict)
 
 # --------------------------------------------------------------------------- choices and their time
 
@@ -54,87 +54,91 @@ def choice_seconds(profile: ActivationProfile, rates: Rates, choice: str) -> flo
 
 # --------------------------------------------------------------------------- the exact DP
 
-def _layer_steps(profile: ActivationProfile, choices: tuple[str, ...], limit: int):
-    """Per choice: (resident, the largest prefix that still fits its forward and backward peaks)."""
-    steps = {}
-    for choice in choices:
-        resident, fwd, bwd = layer_footprint(profile, choice)
-        # forward: prefix + fwd <= limit; backward: prefix + resident + head_net + bwd <= limit
-        steps[choice] = (resident, min(limit - fwd, limit - resident - profile.head_net - bwd))
-    return steps
+def _prefetch_unit(profile: ActivationProfile, choices: tuple[str, ...]) -> tuple[int, int]:
+    """(offloaded layers memtrain.offload restores ahead, bytes of one offloaded input); (0, 0) without offload."""
+    from .offload import PREFETCH_DEPTH
+
+    offloaded = [c for c in choices if choice_mode(c)[1]]
+    if not offloaded:
+        return 0, 0
+    return PREFETCH_DEPTH, max(profile.layers[choice_mode(c)[0]].input_bytes for c in offloaded)
 
 
 def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[str, ...],
-          seconds: dict[str, float], num_layers: Optional[int] = None) -> Optional[tuple[str, ...]]:
+          seconds: dict[str, float], num_layers: Optional[int] = None,
+          backward_extra: int = 0) -> Optional[tuple[str, ...]]:
     """The plan with the least predicted time whose activation peak fits `activation_limit`; None if none.
 
     State after layer i: bytes its layers leave alive (the prefix, which every later constraint
-    adds to) and the time so far. Exact: only states worse in both are dropped.
+    adds to), the time so far, and what the offload terms depend on: how many offloaded layers lie
+    below (up to PREFETCH_DEPTH: their inputs are restored ahead during a later backward) and
+    whether the layer just placed is offloaded (on CUDA its copy holds its input through the next
+    forward). Exact within each such key: only states worse in both bytes and time are dropped.
+    `backward_extra` (ZeRO-1/2 reduce buffers) adds to every backward-phase constraint. The
+    prefetch term is counted for a kept layer as well (exact when a checkpointed layer lies above it).
     """
     n = num_layers or profile.num_layers
-    steps = _layer_steps(profile, choices, activation_limit)
+    depth, inp = _prefetch_unit(profile, choices)
+    side_stream = profile.target.device == "cuda"
+    foot = {c: layer_footprint(profile, c) for c in choices}
     # last layer: no offload (the backward needs its input first, before any copy back could overlap)
     last_choices = tuple(c for c in choices if not c.endswith(OFFLOAD))
-    front = [(profile.base, 0.0, None)]  # (prefix bytes, seconds, back-pointer)
+    # states: (prefix bytes, seconds, back-pointer, offloaded layers below (capped), last layer offloaded)
+    front = [(profile.base, 0.0, None, 0, False)]
     history = []
     for i in range(n):
-        nxt = []
-        for idx, (prefix, secs, _) in enumerate(front):
+        nxt = {}
+        for idx, (prefix, secs, _, below, last_off) in enumerate(front):
             for choice in (last_choices if i == n - 1 else choices):
-                resident, max_prefix = steps[choice]
-                if prefix <= max_prefix:
-                    nxt.append((prefix + resident, secs + seconds[choice], (idx, choice)))
-        nxt.sort(key=lambda s: (s[0], s[1]))
-        front, best = [], float("inf")
-        for state in nxt:  # Pareto front: increasing bytes, strictly decreasing time
-            if state[1] < best - 1e-15:
-                front.append(state)
-                best = state[1]
+                resident, fwd, bwd = foot[choice]
+                offload = choice_mode(choice)[1]
+                side = inp if side_stream and last_off else 0
+                ahead = min(depth, below) * inp
+                if (prefix + fwd + side <= activation_limit and prefix + resident + profile.head_net + bwd + ahead
+                        + backward_extra <= activation_limit):
+                    key = (min(depth, below + offload), offload)
+                    nxt.setdefault(key, []).append((prefix + resident, secs + seconds[choice], (idx, choice)) + key)
+        front = []
+        for states in nxt.values():
+            states.sort(key=lambda s: (s[0], s[1]))
+            best = float("inf")
+            for state in states:  # Pareto front per key: increasing bytes, strictly decreasing time
+                if state[1] < best - 1e-15:
+                    front.append(state)
+                    best = state[1]
         history.append(front)
         if not front:
             return None
-    tail = profile.base + profile.head_net + profile.tail_excess
-    fitting = [k for k, s in enumerate(front) if s[0] + profile.head_excess <= activation_limit]
+    tail = profile.base + profile.head_net + profile.tail_excess + backward_extra
+    fitting = [k for k, s in enumerate(front) if s[0] + profile.head_excess + backward_extra <= activation_limit]
     if not fitting or tail > activation_limit:
         return None
     k = min(fitting, key=lambda j: front[j][1])
     plan = []
     for i in range(n - 1, -1, -1):
-        _, _, (parent, choice) = history[i][k]
+        _, _, (parent, choice), _, _ = history[i][k]
         plan.append(choice)
         k = parent
     return tuple(reversed(plan))
 
 
-def feasible(profile: ActivationProfile, activation_limit: int, choices: tuple[str, ...]) -> Optional[tuple[str, ...]]:
-    """Some plan whose activation peak fits, or None. Exact without the DP: every constraint grows
-    with the bytes left alive so far, so taking, layer by layer, the fitting choice that leaves the
-    fewest bytes alive keeps every option open."""
-    steps = _layer_steps(profile, choices, activation_limit)
-    prefix, plan = profile.base, []
-    for i in range(profile.num_layers):
-        allowed = [c for c in choices if prefix <= steps[c][1]
-                   and not (i == profile.num_layers - 1 and c.endswith(OFFLOAD))]
-        if not allowed:
-            return None
-        choice = min(allowed, key=lambda c: steps[c][0])
-        plan.append(choice)
-        prefix += steps[choice][0]
-    tail = profile.base + profile.head_net + profile.tail_excess
-    if prefix + profile.head_excess > activation_limit or tail > activation_limit:
-        return None
-    return tuple(plan)
+def feasible(profile: ActivationProfile, activation_limit: int, choices: tuple[str, ...],
+             backward_extra: int = 0) -> Optional[tuple[str, ...]]:
+    """Some plan whose activation peak fits, or None: the DP with every choice free, which keeps
+    one state (the fewest bytes alive) per offload key and layer."""
+    return solve(profile, activation_limit, choices, {c: 0.0 for c in choices}, backward_extra=backward_extra)
 
 
-def smallest_peak(profile: ActivationProfile, choices: tuple[str, ...]) -> tuple[int, tuple[str, ...]]:
-    """The smallest activation peak any plan reaches, and a plan reaching it: bisection
-    on the limit with `feasible`."""
+def smallest_peak(profile: ActivationProfile, choices: tuple[str, ...],
+                  backward_extra: int = 0) -> tuple[int, tuple[str, ...]]:
+    """The smallest activation peak (with `backward_extra` in the backward) any plan reaches, and
+    a plan reaching it: bisection on the limit with `feasible`."""
     lo, hi = 0, max(activation_peak(profile, (c,) * profile.num_layers)[0]
-                    for c in choices if not c.endswith(OFFLOAD))
-    best = feasible(profile, hi, choices)
+                    for c in choices if not c.endswith(OFFLOAD)) + backward_extra
+    best = feasible(profile, hi, choices, backward_extra)
     while hi - lo > max(4096, hi >> 12):  # to 0.025% of the peak
         mid = (lo + hi) // 2
-        plan = feasible(profile, mid, choices)
+        plan = feasible(profile, mid, choices, backward_extra)
         if plan is None:
             lo = mid
         else:
@@ -176,14 +180,17 @@ class PlanResult:
             f"auto plan: {', '.join(f'{n} x {c}' for c, n in counts.items())} under a budget of "
             f"{gib(self.budget):.3f} GiB; predicted extra time {self.seconds * 1e3:.1f} ms/micro-step",
             f"  predicted peak {gib(p.peak):.3f} GiB = model states {gib(p.model_states.total):.3f} + "
-            f"activations {gib(p.activation_peak):.3f} (at {p.phase}) + allocator margin {gib(p.margin):.3f}",
+            f"activations {gib(p.activation_peak):.3f} (at {p.phase})"
+            + (f" + ZeRO reduce buffers {gib(p.reduce_buffers):.3f}" if p.reduce_buffers else "")
+            + f" + allocator margin {gib(p.margin):.3f}",
         ])
 
 
 def activation_limit(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...], budget: int) -> int:
     """Bytes the activations may peak at: the budget less model states and allocator margin
-    (negative when even the optimizer step's fp32 gradients do not fit)."""
-    margin = predict(profile, states, (choices[0],) * profile.num_layers).margin
+    (negative when even the optimizer step's fp32 gradients do not fit). The backward's ZeRO-1/2
+    reduce buffers are not taken off: `solve` adds them to the backward constraints."""
+    margin = allocator_margin(profile)
     limit = budget - states.total - margin
     return limit if states.update <= limit else -1
 
@@ -192,7 +199,7 @@ def predicted_plan(profile: ActivationProfile, states: ModelStates, choices: tup
                    rates: Rates, budget: int) -> Optional[PlanResult]:
     seconds = {c: choice_seconds(profile, rates, c) for c in choices}
     limit = activation_limit(profile, states, choices, budget)
-    plan = solve(profile, limit, choices, seconds)
+    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward)
     if plan is None:
         return None
     uniform = {}
@@ -220,10 +227,10 @@ def what_fits(profile: ActivationProfile, ds_config: dict, target: Target, choic
     from .ds_config import zero_stage
 
     def fits(prof: ActivationProfile, states: ModelStates) -> bool:
-        return feasible(prof, activation_limit(prof, states, choices, budget), choices) is not None
+        return feasible(prof, activation_limit(prof, states, choices, budget), choices, states.backward) is not None
 
     states = model_states(profile, ds_config, target)
-    act, plan = smallest_peak(profile, choices)
+    act, plan = smallest_peak(profile, choices, states.backward)
     peak = predict(profile, states, plan).peak
     options = []
     for mb in range(target.micro_batch_size - 1, 0, -1):
@@ -295,3 +302,21 @@ def suggest_fit(recipe, ds_config: dict, world_size: int, budget_bytes: int) -> 
         return (f"predicted: activation_checkpointing.policy=auto with memory_budget={gib(budget_bytes):.1f} "
                 f"fits (smallest predicted peak {peak:.2f} GiB)")
     return f"predicted smallest peak with any AC plan {peak:.2f} GiB > {gib(budget_bytes):.1f} GiB; would fit: {hint}"
+
+
+def predict_run(recipe, ds_config: dict, world_size: int, plan: ac.ACPlan, config=None,
+                target: Optional[Target] = None) -> Prediction:
+    """The predicted peak device memory per device of a run under any ACPlan the trainer applies
+    (every policy: none, full, every/first, selective, op, sqrt segments, modules patterns, auto,
+    with memtrain's or DeepSpeed's offload). Fake tensors only: seconds at start-up.
+
+    `plan.layers[i]` maps to the memory model's choice for layer i (with '+offload' where
+    `plan.offload[i]`), `plan.segments` to sqrt units, `plan.modules` to per-layer measured modes
+    (see memory_model.plan_choices); what cannot be modelled is said in `Prediction.notes`.
+    `ds_config` is the run's DeepSpeed config (resolved or raw: 'auto' values are read as
+    memtrain resolves them)."""
+    from .memory_model import make_target, model_and_config, predict_plan
+
+    target = target or make_target(recipe, ds_config, world_size)
+    config = config or model_and_config(recipe)
+    return predict_plan(config, target, ds_config, plan)
