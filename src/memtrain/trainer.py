@@ -354,15 +354,9 @@ def _predicted_peak(recipe, ds_config: dict, world: int, plan, config, memory_pl
     """memtrain.planner's predicted peak device bytes for the plan this run executes."""
     if memory_plan is not None:
         return memory_plan.prediction.peak
-    if plan.segments or plan.modules:
-        return None
-    from .memory_model import OFFLOAD, make_target, model_states, predict, profile_activations
+    from .planner import predict_run
 
-    target = make_target(recipe, ds_config, world)
-    profile = profile_activations(config, target)
-    offload = plan.offload or (False,) * len(plan.layers)
-    choices = tuple(c + (OFFLOAD if off else "") for c, off in zip(plan.layers, offload))
-    return predict(profile, model_states(profile, ds_config, target), choices).peak
+    return predict_run(recipe, ds_config, world, plan, config).peak
 
 
 def _clear_run(run_dir: Path) -> None:

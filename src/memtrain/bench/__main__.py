@@ -42,8 +42,8 @@ TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 SMOKE = ["model.config.num_hidden_layers=2", "data.seq_len=64", "train.micro_batch_size=2"]
 SMOKE_STEPS, SMOKE_WARMUP = 2, 1
 SEARCH_LIMIT = 256  # micro-batches beyond this are not probed
-GPU_CHECK_SETUPS = ("memtrain:none", "memtrain:full", "memtrain:full+offload", "memtrain:op", "memtrain:auto",
-                    "torch:noac")
+GPU_CHECK_SETUPS = ("memtrain:none", "memtrain:full", "memtrain:full@deepspeed", "memtrain:full+offload",
+                    "memtrain:op", "memtrain:auto", "torch:noac")
 GPU_CHECK_STEPS, GPU_CHECK_WARMUP = 20, 10  # 30 steps each
 # DeepSpeed 0.19.8's own cpu_checkpointing loses the checkpoint on a CPU accelerator: its copy "to CPU"
 # returns the same tensor, whose storage it then empties. It can only run on a GPU.

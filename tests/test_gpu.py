@@ -1,0 +1,51 @@
+"""GPU-only: the real trainer through the launcher on every visible GPU (NCCL), stopped once by a signal.
+
+Skipped without CUDA (CI has none); run on a GPU machine with `python -m pytest -q tests/test_gpu.py`.
+"""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, ROOT, TRAIN, _env, _free_port
+from memtrain.tb import read_scalars
+from test_resume import _workers
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_trainer_on_every_gpu_stops_together_on_one_signal(tmp_path):
+    """Every rank on its own GPU (LOCAL_RANK), NCCL collectives on device tensors, the loss read only
+    at log boundaries; SIGUSR1 to the last rank alone stops all of them at the same boundary, saved."""
+    ngpus = torch.cuda.device_count()
+    run_dir = tmp_path / "run"
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(ngpus), "--master_port",
+           str(_free_port()), str(TRAIN), *FAST, "--set", "train.log_every=3", "--max-steps", "100000",
+           "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not list((run_dir / "tb").glob("events.out.tfevents.*")) or not read_scalars(run_dir / "tb").get(
+                "train/loss"):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        _workers(proc)[ngpus - 1].send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGUSR1", summary
+    assert summary["steps"] % 3 == 0 and summary["world_size"] == ngpus  # stopped at a log boundary
+    assert (run_dir / "checkpoints" / "latest").is_file()
+    assert summary["device"].startswith("NVIDIA") or summary["device"]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["deepspeed"]["optimizer"]["params"].get("fused") is True  # torch's fused AdamW, no op build
+    losses = [v for _, v in read_scalars(run_dir / "tb")["train/loss"]]
+    assert all(v == v for v in losses) and len(losses) == summary["steps"] // 3
