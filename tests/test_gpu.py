@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ def test_trainer_on_every_gpu_stops_together_on_one_signal(tmp_path):
     at log boundaries; SIGUSR1 to the last rank alone stops all of them at the same boundary, saved."""
     ngpus = torch.cuda.device_count()
     run_dir = tmp_path / "run"
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(ngpus), "--master_port",
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ngpus), "--master_port",
            str(_free_port()), str(TRAIN), *FAST, "--set", "train.log_every=3", "--max-steps", "100000",
            "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

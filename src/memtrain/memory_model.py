@@ -18,7 +18,7 @@ set), modules patterns (matched sublayers as their modes, anything else inside a
 as a mode of its own; matches outside the layers are named in `Prediction.notes`), memtrain's
 offload (PREFETCH_DEPTH restored inputs ahead during the backward; on CUDA the side-stream copy
 holding an input through the next forward), ZeRO-1/2 reduce buckets (backward only), and the
-allocator margin (ALLOCATOR_MARGIN: a placeholder until measured on a GPU).
+allocator margin (ALLOCATOR_MARGIN, measured on an H100: see there).
 """
 from __future__ import annotations
 
@@ -41,13 +41,15 @@ CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512
 
 # Allocator margin on CUDA: what torch.cuda.max_memory_allocated() shows above the live tensors
 # this model adds up (block rounding is already in the measured sizes; this is what is left:
-# allocations that briefly overlap, kernels' workspaces, the caching allocator's splitting).
-# PLACEHOLDER until measured: to be calibrated from max_memory_allocated on an H100 against this
-# prediction. Until then it stays what the model always assumed, one more block of the step's
-# largest single allocation (ALLOCATOR_MARGIN x largest_block + ALLOCATOR_MARGIN_BYTES); no GPU
-# figure is assumed. CPU targets have no margin (host memory is not what the budget measures).
-ALLOCATOR_MARGIN = 1.0  # times the step's largest single allocation (placeholder, see above)
-ALLOCATOR_MARGIN_BYTES = 0  # fixed bytes on top (placeholder, see above)
+# allocations that briefly overlap, kernels' workspaces). Measured, `make gpu-check` on one H100
+# 80GB HBM3 (llama-1b, seq 2048, micro-batch 8, bf16, ZeRO-3, torch 2.11): with a margin of one
+# largest allocation (the 1.95 GiB fp32 logits) the prediction was over the measured peak by
+# +3.4 GiB (none), +2.1 (full, either backend), +2.1 (op), +1.3 (full + offload); without it by
+# +1.47, +0.10, +0.10 and -0.70 GiB (+2.8%, +0.4%, +0.3%, -3.0%). So the measured margin of
+# max_memory_allocated is none: 0. Fragmentation shows in max_memory_reserved, not here; keep
+# headroom for it in the budget itself.
+ALLOCATOR_MARGIN = 0.0  # times the step's largest single allocation (measured, see above)
+ALLOCATOR_MARGIN_BYTES = 0  # fixed bytes on top (measured, see above)
 
 
 # --------------------------------------------------------------------------- target
@@ -580,7 +582,7 @@ def choice_mode(choice: str) -> tuple[str, bool]:
 
 
 def allocator_margin(profile: ActivationProfile) -> int:
-    """The allocator margin of a step (CUDA only): see ALLOCATOR_MARGIN, a placeholder until measured."""
+    """The allocator margin of a step (CUDA only): see ALLOCATOR_MARGIN."""
     if profile.target.device != "cuda":
         return 0
     return int(ALLOCATOR_MARGIN * profile.largest_block) + ALLOCATOR_MARGIN_BYTES
@@ -596,7 +598,7 @@ class Prediction:
     recompute_working_set: int  # the largest recomputed unit's backward working set (a sqrt segment: all its layers)
     logits_and_loss: int  # saved outside the layers plus the head's transient peak
     activation_peak: int  # the activation part of the peak, over forward, loss and backward
-    margin: int  # allocator margin (CUDA only): ALLOCATOR_MARGIN, a placeholder until measured on a GPU
+    margin: int  # allocator margin (CUDA only): ALLOCATOR_MARGIN, measured on an H100
     phase: str  # where the peak happens
     host_activations: int = 0  # offloaded checkpoints on the host
     prefetched: int = 0  # in activation_peak: offloaded inputs restored ahead of their layers (prefetch)

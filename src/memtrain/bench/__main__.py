@@ -111,7 +111,7 @@ class Runner:
             if setup.backend != "auto":
                 overrides.append(f"activation_checkpointing.backend={setup.backend}")
             if self.ngpus > 1:
-                launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(self.ngpus),
+                launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(self.ngpus),
                             "--master_port", str(_free_port())]
             else:
                 launcher = [sys.executable]
