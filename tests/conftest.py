@@ -19,7 +19,8 @@ FAST = ["--set", "data.seq_len=64", "--set", "train.micro_batch_size=4", "--set"
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT / "src")
+    # this checkout first; keep what the caller's PYTHONPATH adds (e.g. wheels unpacked beside the image)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
     env["PYTHONWARNINGS"] = "ignore"
     return env
 
