@@ -336,6 +336,9 @@ def _train(args: RunArgs, progress: Progress) -> dict:
         print(f"{status}: {completed} steps, final loss {last_loss:.4f}; "
               f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'})", flush=True)
     dist.barrier()
+    # Close the process group before the interpreter exits: left to interpreter shutdown, gloo's
+    # threads were seen to abort a finished rank ("terminate called without an active exception").
+    dist.destroy_process_group()
     return summary
 
 
