@@ -162,7 +162,7 @@ def test_sweep_as_job_array(slurm):
     sweep_file = tmp / "sweep.yaml"
     sweep_file.write_text(json.dumps({
         "name": name, "deepspeed": "ds_configs/zero3_ckpt.json",
-        "set": {"data.seq_len": 64, "data.max_bytes": 400000, "train.max_steps": 3},
+        "set": {"data.seq_len": 64, "data.max_bytes": 400000, "train.max_steps": 3, "train.log_every": 1},
         "grid": {"train.micro_batch_size": [2, 4]},
         "launcher": {"name": "deepspeed", "gpus_per_run": 1},
     }))
