@@ -321,7 +321,7 @@ class Progress:
         self.bar.close()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -333,7 +333,7 @@ def run_deepspeed(sweep: Sweep, points: list[Point], progress: Progress) -> None
     for point in points:
         args = prepare_point(sweep, point)
         cmd = [str(deepspeed), "--num_gpus", str(sweep.spec.launcher.gpus_per_run),
-               "--master_port", str(_free_port()), str(TRAIN_PY), *args]
+               "--master_port", str(free_port()), str(TRAIN_PY), *args]
         stderr_log = point.run_dir / "stderr.log"
         with open(point.run_dir / "stdout.log", "ab") as out, open(stderr_log, "ab") as err:
             # Its own process group, so that stopping the sweep can stop the point's ranks too.

@@ -34,6 +34,7 @@ import torch
 from ..ds_config import load_ds_config
 from ..errors import UserError, cli_entry
 from ..recipe import load_recipe
+from ..sweep import free_port
 from .setups import DEFAULT_SETUPS, HELP, parse_setup
 from .table import gpu_check_markdown, gpu_check_targets, markdown, targets
 
@@ -60,14 +61,6 @@ def double_until_oom(fits: Callable[[int], bool], start: int, limit: int = SEARC
             return {"fits": best, "oom_at": mb}
         best, mb = mb, mb * 2
     return {"fits": best, "oom_at": None}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Runner:
@@ -112,7 +105,7 @@ class Runner:
                 overrides.append(f"activation_checkpointing.backend={setup.backend}")
             if self.ngpus > 1:
                 launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(self.ngpus),
-                            "--master_port", str(_free_port())]
+                            "--master_port", str(free_port())]
             else:
                 launcher = [sys.executable]
             cmd = [*launcher, str(TRAIN_PY), "--deepspeed", str(self._json_for(setup)), *recipe_args,
