@@ -4,7 +4,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from a checkout without installing
 
-from memtrain.cli import main  # noqa: E402
+from memtrain.train.main import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

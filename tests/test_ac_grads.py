@@ -4,12 +4,13 @@ import copy
 import pytest
 import torch
 
-from memtrain.ac import apply_plan, build_plan, parse_policy
-from memtrain.ds_config import ac_section
+from memtrain.recompute.hooks import apply_plan
+from memtrain.recompute.policy import build_plan, parse_policy
+from memtrain.config.ds_config import ac_section
 from memtrain.errors import UserError
-from memtrain.metrics import ActivationMeter
-from memtrain.model import build_config, build_model, decoder_layers
-from memtrain.recipe import ModelSection
+from memtrain.memory.tracker import ActivationMeter
+from memtrain.model.build import build_config, build_model, decoder_layers
+from memtrain.config.recipe import ModelSection
 
 FAMILIES = {
     "llama": {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,

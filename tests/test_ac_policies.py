@@ -1,5 +1,5 @@
 """AC policies: same gradients as no recompute (dropout on and off), the activation-memory
-ordering they promise, their errors and warnings, `memtrain.ac_profile`, and ZeRO-3 runs."""
+ordering they promise, their errors and warnings, `memtrain.tools.ac_profile`, and ZeRO-3 runs."""
 import copy
 import csv
 import json
@@ -9,14 +9,15 @@ import torch
 from torch import nn
 
 from conftest import FAST, ROOT, assert_ok, run_train
-from memtrain.ac import ACPlan, apply_plan, build_plan, parse_policy, sqrt_segments
-from memtrain.ac_profile import main as ac_profile_main
-from memtrain.ac_profile import max_rel_err, measure_step
-from memtrain.ds_config import ac_section
+from memtrain.recompute.policy import ACPlan, build_plan, parse_policy, sqrt_segments
+from memtrain.recompute.hooks import apply_plan
+from memtrain.tools.ac_profile import main as ac_profile_main
+from memtrain.tools.ac_profile import max_rel_err, measure_step
+from memtrain.config.ds_config import ac_section
 from memtrain.errors import UserError
-from memtrain.metrics import ActivationMeter
-from memtrain.model import build_config, build_model, decoder_layers
-from memtrain.recipe import ACSection, ModelSection
+from memtrain.memory.tracker import ActivationMeter
+from memtrain.model.build import build_config, build_model
+from memtrain.config.recipe import ACSection, ModelSection
 
 SEQ, BATCH, VOCAB = 32, 2, 257
 FAMILIES = {
@@ -250,7 +251,7 @@ def zero3_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ZERO3_RUNS)
 def test_policies_under_zero3_match_no_recompute(zero3_runs, name):
-    from memtrain.tb import read_scalars
+    from memtrain.tools.tb import read_scalars
 
     def summary(run):
         return json.loads((zero3_runs[run][0] / "summary.json").read_text())

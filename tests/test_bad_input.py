@@ -1,6 +1,6 @@
 """Every bad input is one stderr line naming the file and key path, exit 2, before any worker starts.
 
-Most cases call the preflight check in-process (`memtrain.validate.main`, the same `check_run`
+Most cases call the preflight check in-process (`memtrain.train.preflight.main`, the same `check_run`
 the trainer calls in every worker); two go through real subprocesses to show there is exactly
 one line and no traceback, and that no run directory appears.
 """
@@ -12,8 +12,8 @@ import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the
 import pytest
 
 from conftest import ROOT, _env, run_train
-from memtrain import validate
-from memtrain.cli import parse_args
+from memtrain.train import preflight as validate
+from memtrain.config.args import parse_args
 
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"
 
@@ -158,7 +158,7 @@ def test_legal_but_useless_settings_warn(tmp_path):
 def test_one_line_no_traceback_no_worker(tmp_path):
     """Through real processes: the preflight `make train` runs, and the trainer itself."""
     path = _ds(tmp_path, lambda c: c["zero_optimization"].update(stage=5))
-    pre = subprocess.run([sys.executable, "-m", "memtrain.validate", "--world-size", "2", "--deepspeed", path],
+    pre = subprocess.run([sys.executable, "-m", "memtrain.train.preflight", "--world-size", "2", "--deepspeed", path],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert pre.returncode == 2
     assert pre.stderr.strip().splitlines() == [

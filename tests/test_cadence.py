@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import FAST, ROOT, assert_ok, run_train
-from memtrain.tb import read_scalars
+from memtrain.tools.tb import read_scalars
 
 BASE = [*FAST, "--max-steps", "10", "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json")]
 

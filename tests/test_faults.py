@@ -8,10 +8,10 @@ import sys
 import torch
 
 from conftest import FAST, ROOT, TRAIN, _env, assert_ok, run_train
-from memtrain.checkpoint import KILL_IN_SAVE_ENV, tag_for
-from memtrain.faults import Progress, is_oom, oom_message, write_failure
-from memtrain.recipe import load_recipe
-from memtrain.tb import read_scalars
+from memtrain.train.checkpoint import KILL_IN_SAVE_ENV, tag_for
+from memtrain.train.faults import RunPosition, is_oom, oom_message, write_failure
+from memtrain.config.recipe import load_recipe
+from memtrain.tools.tb import read_scalars
 
 
 def _losses_per_file(tb_dir):
@@ -87,7 +87,7 @@ def test_out_of_memory_report(tmp_path):
         error = e
     assert is_oom(error) and not is_oom(RuntimeError("shape mismatch"))
     recipe = load_recipe(None, ["train.micro_batch_size=4"])
-    progress = Progress(world=2, rank=1, run_dir=tmp_path, step=6)
+    progress = RunPosition(world=2, rank=1, run_dir=tmp_path, step=6)
     line = oom_message(progress, recipe, json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text()))
     assert "\n" not in line
     assert re.match(r"out of memory at step 7 on rank 1: peak host RSS \d+\.\d\d GiB of \d+\.\d\d GiB; ", line), line

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import FAST, ROOT, TRAIN, _env, _free_port
-from memtrain.tb import read_scalars
+from memtrain.tools.tb import read_scalars
 from test_resume import _workers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

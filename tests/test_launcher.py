@@ -4,7 +4,7 @@ import json
 import pytest
 
 from conftest import ROOT, assert_ok, run_train
-from memtrain.tb import read_scalars
+from memtrain.tools.tb import read_scalars
 
 CONTRACT_TAGS = {
     "train/loss", "train/lr", "throughput/tokens_per_s", "throughput/samples_per_s",

@@ -1,8 +1,8 @@
 import pytest
 
 from memtrain.errors import UserError
-from memtrain.model import build_config
-from memtrain.recipe import ModelSection
+from memtrain.model.build import build_config
+from memtrain.config.recipe import ModelSection
 
 
 @pytest.mark.parametrize("type_, config, seq_len, message", [

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from conftest import FAST, ROOT, assert_ok, run_train
-from memtrain.ac import apply_plan, build_plan, checkpoint_function
-from memtrain.ds_config import ac_section
+from memtrain.recompute.hooks import apply_plan, checkpoint_function
+from memtrain.recompute.policy import build_plan
+from memtrain.config.ds_config import ac_section
 from memtrain.errors import UserError
-from memtrain.metrics import ActivationMeter
-from memtrain.model import build_config, build_model, decoder_layers
-from memtrain.offload import ActivationOffloader, HostBufferPool, offload_flags, offload_units
-from memtrain.recipe import ACSection, ModelSection
-from memtrain.tb import read_scalars
+from memtrain.memory.tracker import ActivationMeter
+from memtrain.model.build import build_config, build_model, decoder_layers
+from memtrain.recompute.offload import ActivationOffloader, HostBufferPool, offload_flags, offload_units
+from memtrain.config.recipe import ACSection, ModelSection
+from memtrain.tools.tb import read_scalars
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -378,7 +379,7 @@ def test_zero3_two_ranks_with_cpu_checkpointing(tmp_path):
 def test_bench_runs_the_trainer_with_offload(tmp_path):
     """A bench set-up is the trainer itself (src/train.py) with bench settings: random tokens, no
     model checkpoint, figures from its summary.json; the plain baseline is its own process."""
-    from memtrain.bench.__main__ import Runner
+    from memtrain.tools.bench.__main__ import Runner
 
     run = Runner(None, ["model.config.num_hidden_layers=2", "data.seq_len=64", "train.micro_batch_size=2"],
                  str(ROOT / "ds_configs" / "zero3_ckpt.json"), steps=2, warmup=1, ngpus=1)
@@ -394,9 +395,9 @@ def test_bench_runs_the_trainer_with_offload(tmp_path):
 
 
 def test_bench_setups_search_and_table():
-    from memtrain.bench.__main__ import double_until_oom
-    from memtrain.bench.setups import parse_setup
-    from memtrain.bench.table import markdown, targets
+    from memtrain.tools.bench.__main__ import double_until_oom
+    from memtrain.tools.bench.setups import parse_setup
+    from memtrain.tools.bench.table import markdown, targets
 
     s = parse_setup("memtrain:op+first:4+offload@torch")
     assert (s.trainer, s.ac, s.backend, s.cpu_checkpointing, s.impl) == (True, "op+first:4", "torch", True, "memtrain")

@@ -6,7 +6,7 @@
 * predicted activation peak of mixed plans vs a real step's tracked live bytes;
 * predicted model states vs what a real DeepSpeed engine holds on CPU (ZeRO-2 and ZeRO-3);
 * the DP against brute force; `auto` training the default recipe under a budget that forces a
-  mixed plan; `python -m memtrain.plan` on every shipped recipe;
+  mixed plan; `python -m memtrain.tools.plan` on every shipped recipe;
 * predict_run for full, sqrt and modules: plans vs the CPU allocator's own memory events (the
   profiler) in a real step; the offload prefetch term vs the restores counted at the copy engine;
   ZeRO-1/2 reduce buckets vs the buffers a real DeepSpeed engine holds in its backward.
@@ -20,15 +20,17 @@ import pytest
 import torch
 from conftest import FAST, ROOT, assert_ok, run_train
 
-from memtrain import ac_profile
-from memtrain import memory_model as mm
-from memtrain import plan as plan_cli
-from memtrain import planner
-from memtrain.ac import apply_plan, build_plan
-from memtrain.ds_config import ac_section, load_ds_config
+from memtrain.tools import ac_profile
+from memtrain.memory import estimate as mm
+from memtrain.tools import plan as plan_cli
+from memtrain.memory import planner
+from memtrain.recompute.hooks import apply_plan
+from memtrain.recompute.policy import build_plan
+from memtrain.config.ds_config import ac_section, load_ds_config
 from memtrain.errors import UserError
-from memtrain.metrics import GIB, ActivationMeter
-from memtrain.recipe import load_recipe
+from memtrain.memory.tracker import ActivationMeter
+from memtrain.units import GIB
+from memtrain.config.recipe import load_recipe
 
 TOL = 0.05
 NO_STATES = mm.ModelStates(0, 0, 0, 0, 0, 0, 0, 0)
@@ -103,10 +105,10 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 import deepspeed
 from pathlib import Path
-from memtrain import memory_model as mm
-from memtrain.ds_config import load_ds_config, resolve_ds_config
-from memtrain.model import build_model
-from memtrain.recipe import load_recipe
+from memtrain.memory import estimate as mm
+from memtrain.config.ds_config import load_ds_config, resolve_ds_config
+from memtrain.model.build import build_model
+from memtrain.config.recipe import load_recipe
 
 def live_bytes():
     gc.collect()
@@ -319,7 +321,7 @@ def _real_model(recipe, layers: int, batch: int = 4, seq: int = 128):
 def test_predict_run_matches_the_allocator(policy, modules):
     """predict_run's activation peak for a policy against a real fp32 CPU step of a 4-layer Llama
     with the plan applied, measured by the CPU allocator's own events (10%)."""
-    from memtrain.ac import ACPlan
+    from memtrain.recompute.policy import ACPlan
 
     recipe = load_recipe(None, ["train.micro_batch_size=4"])
     config, target, model, ids = _real_model(recipe, 4)
@@ -336,7 +338,7 @@ def test_predict_run_matches_the_allocator(policy, modules):
 
 
 def test_predict_run_says_what_it_cannot_model():
-    from memtrain.ac import ACPlan
+    from memtrain.recompute.policy import ACPlan
 
     recipe = load_recipe(None, ["train.micro_batch_size=1"])
     config = mm.model_and_config(recipe)
@@ -357,7 +359,7 @@ def test_offload_prefetch_term_matches_restores_on_cpu():
     and the most restored inputs alive at once, counted at the copy engine, equals the model's."""
     import weakref
 
-    from memtrain.offload import PREFETCH_DEPTH
+    from memtrain.recompute.offload import PREFETCH_DEPTH
 
     recipe = load_recipe(None, ["train.micro_batch_size=4", "model.config.num_hidden_layers=6"])
     config, target, model, ids = _real_model(recipe, 6)
@@ -395,10 +397,10 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 import deepspeed
 from pathlib import Path
-from memtrain import memory_model as mm
-from memtrain.ds_config import load_ds_config, resolve_ds_config
-from memtrain.model import build_model
-from memtrain.recipe import load_recipe
+from memtrain.memory import estimate as mm
+from memtrain.config.ds_config import load_ds_config, resolve_ds_config
+from memtrain.model.build import build_model
+from memtrain.config.recipe import load_recipe
 
 deepspeed.init_distributed(verbose=False)
 recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])

@@ -2,7 +2,7 @@ import pytest
 
 from conftest import run_train
 from memtrain.errors import UserError
-from memtrain.recipe import load_recipe
+from memtrain.config.recipe import load_recipe
 
 
 def test_default_recipe_and_overrides():

@@ -9,8 +9,8 @@ from pathlib import Path
 import psutil
 
 from conftest import FAST, TRAIN, ROOT, _env, _free_port, assert_ok, run_train
-from memtrain.checkpoint import tag_for
-from memtrain.tb import read_scalars
+from memtrain.train.checkpoint import tag_for
+from memtrain.tools.tb import read_scalars
 
 STEPS = 10
 ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--deepspeed",

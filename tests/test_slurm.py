@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, ROOT
-from memtrain.tb import read_scalars
+from memtrain.tools.tb import read_scalars
 
 UP, DOWN = ROOT / "slurm" / "local" / "up.sh", ROOT / "slurm" / "local" / "down.sh"
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -167,7 +167,7 @@ def test_sweep_as_job_array(slurm):
         "launcher": {"name": "deepspeed", "gpus_per_run": 1},
     }))
     try:
-        proc = subprocess.run(["python", "-m", "memtrain.sweep", str(sweep_file), "--launcher", "slurm"],
+        proc = subprocess.run(["python", "-m", "memtrain.tools.sweep", str(sweep_file), "--launcher", "slurm"],
                               cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT / "src")}, capture_output=True,
                               text=True, timeout=JOB_TIMEOUT_S)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -178,7 +178,7 @@ def test_sweep_as_job_array(slurm):
             assert summary["status"] == "completed" and summary["steps"] == 3, summary
             assert len(losses(point)) == 3 and (point / "stderr.log").exists()
         # The report reads the array's results as it reads the local launcher's.
-        report = subprocess.run(["python", "-m", "memtrain.report", str(sweep_file)], cwd=ROOT,
+        report = subprocess.run(["python", "-m", "memtrain.tools.report", str(sweep_file)], cwd=ROOT,
                                 env={**env, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True)
         assert report.returncode == 0, report.stderr[-3000:]
         with open(ROOT / "reports" / name / "summary.csv") as f:

@@ -12,9 +12,10 @@ import yaml
 
 from conftest import ROOT
 from memtrain.errors import UserError
-from memtrain.report import after_warmup_medians, gather, parse_budget, write_report
-from memtrain.sweep import failure_reason, is_finished, load_sweep, prepare_point, record_outcome, train_args
-from memtrain.tb import read_scalars
+from memtrain.units import parse_size
+from memtrain.tools.report import after_warmup_medians, gather, write_report
+from memtrain.tools.sweep_points import (failure_reason, is_finished, load_sweep, prepare_point, record_outcome, train_args)
+from memtrain.tools.tb import read_scalars
 
 DS = str(ROOT / "ds_configs" / "zero3_ckpt.json")
 
@@ -69,7 +70,7 @@ def test_report_rows_pareto_failures_and_budget(tmp_path, monkeypatch):
     _summary(by[("none", 8)].run_dir, "oom", "CUDA out of memory at step 1")
     _summary(by[("none", 16)].run_dir, "failed", "RuntimeError: boom")
 
-    out = write_report(sweep, budget=parse_budget("2GiB"))
+    out = write_report(sweep, budget=2.0)
     rows = {(r["policy"], r["micro_batch_size"]): r for r in csv.DictReader(open(out / "summary.csv"))}
     assert len(rows) == 6
     assert float(rows[("full", "8")]["tokens_per_s"]) == 155.0
@@ -93,9 +94,13 @@ def test_report_rows_pareto_failures_and_budget(tmp_path, monkeypatch):
 
 
 def test_budget_parsing_and_sweep_file_errors(tmp_path, monkeypatch):
-    assert parse_budget("40GiB") == 40.0 and parse_budget("512MiB") == 0.5 and parse_budget("3") == 3.0
-    with pytest.raises(UserError, match="BUDGET='lots'"):
-        parse_budget("lots")
+    # one size parser for make plan, make report and the recipe: IEC units are binary, SI units decimal
+    assert parse_size("40GiB", "BUDGET") == 40 << 30 and parse_size("512MiB", "BUDGET") == 1 << 29
+    assert parse_size("3", "BUDGET") == 3 << 30 and parse_size("40GB", "BUDGET") == 40 * 10 ** 9
+    assert parse_size("1.5TB", "BUDGET") == 1.5e12 and parse_size("2Ti", "BUDGET") == 2 << 40
+    for bad in ("lots", "-1GB", "0", "12XB", "nan"):
+        with pytest.raises(UserError, match=f"^BUDGET: '{bad}'"):
+            parse_size(bad, "BUDGET")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"s.yaml: grid.train.micro_bach_size: unknown recipe key .*did you mean"):
         load_sweep(_sweep_file(tmp_path, {"train.micro_bach_size": [4]}))
@@ -159,7 +164,7 @@ def test_two_point_sweep_end_to_end_with_one_failure(tmp_path):
             pytest.fail(f"timed out\n{out[-2000:]}\n{err[-2000:]}")
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
-    proc = run("memtrain.sweep", str(path))
+    proc = run("memtrain.tools.sweep", str(path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 points, 0 already finished, 2 to run" in proc.stdout
     assert "policy=full: completed" in proc.stdout and "policy=bogus: failed" in proc.stdout
@@ -168,11 +173,11 @@ def test_two_point_sweep_end_to_end_with_one_failure(tmp_path):
     assert "activation_checkpointing.policy" in failed["reason"] and "bogus" in failed["reason"]
 
     started = time.time()
-    again = run("memtrain.sweep", str(path))  # resumable: both points already finished
+    again = run("memtrain.tools.sweep", str(path))  # resumable: both points already finished
     assert again.returncode == 0 and "2 already finished, 0 to run" in again.stdout, again.stdout
     assert time.time() - started < 30
 
-    rep = run("memtrain.report", str(path), "--budget", "1GiB")
+    rep = run("memtrain.tools.report", str(path), "--budget", "1GiB")
     assert rep.returncode == 0, rep.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "reports/e2e/summary.csv")))
     assert [(r["policy"], r["status"]) for r in rows] == [("full", "completed"), ("bogus", "failed")]
@@ -188,7 +193,7 @@ def test_shipped_sweep_files_expand(monkeypatch):
     monkeypatch.chdir(ROOT)
     cpu = load_sweep("recipes/sweeps/tiny-cpu.yaml")
     assert len(cpu.points) == 6 and cpu.spec.launcher.gpus_per_run == 2
-    from memtrain.recipe import ACSection
+    from memtrain.config.recipe import ACSection
 
     if "memory_budget" not in ACSection.model_fields:
         pytest.skip("llama-1b-gpu.yaml's `policy: auto` point needs activation_checkpointing.memory_budget (planner)")

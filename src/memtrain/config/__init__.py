@@ -1,0 +1,1 @@
+"""What to run: the recipe, the DeepSpeed JSON, the command line."""

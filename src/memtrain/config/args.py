@@ -1,0 +1,57 @@
+"""`src/train.py`'s command line: flags -> `RunArgs` (recipe, DeepSpeed JSON, run directory)."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from memtrain.errors import UserError
+from memtrain.config.recipe import Recipe, load_recipe
+from memtrain.config.ds_config import load_ds_config
+
+DEFAULT_DS_CONFIG = "ds_configs/zero3_ckpt.json"
+
+
+@dataclass
+class RunArgs:
+    recipe: Recipe
+    ds_config: dict  # as written by the user ("auto" values not yet filled)
+    ds_config_path: str
+    run_dir: Optional[Path]
+    resume: bool
+    overwrite: bool
+    recipe_path: Optional[str] = None  # None: the embedded default recipe
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a transformers causal LM with DeepSpeed and per-layer activation recompute.",
+    )
+    p.add_argument("--deepspeed", default=DEFAULT_DS_CONFIG, metavar="JSON",
+                   help=f"DeepSpeed config (default: {DEFAULT_DS_CONFIG})")
+    p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a recipe key, e.g. --set activation_checkpointing.policy=every:2")
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe>-<timestamp>)")
+    p.add_argument("--max-steps", type=int, help="shorthand for --set train.max_steps=N")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="allow reusing a run directory that holds a run")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)), help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Optional[list[str]] = None) -> RunArgs:
+    args = parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    recipe = load_recipe(args.recipe, overrides)
+    ds_config = load_ds_config(args.deepspeed)
+    if args.resume and args.run_dir is None:
+        raise UserError("--resume: needs --run-dir naming the run to continue")
+    return RunArgs(recipe, ds_config, args.deepspeed, args.run_dir, args.resume, args.overwrite, args.recipe)
+
+

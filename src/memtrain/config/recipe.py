@@ -1,0 +1,224 @@
+"""Recipe schema: what to train (model, data, train loop, activation recompute).
+
+A recipe is a YAML file validated by one pydantic schema. `--set key.path=value`
+overrides any key. Every mistake becomes a one-line UserError naming the file and key.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
+                      ValidationError)
+
+from memtrain.errors import UserError
+
+DEFAULT_RECIPE_NAME = "tiny"
+
+# The embedded default: a tiny Llama that trains on the Python standard library's
+# own source files in about a minute on 2 CPU cores.
+DEFAULT_RECIPE: dict[str, Any] = {
+    "name": DEFAULT_RECIPE_NAME,
+    "model": {
+        "type": "llama",
+        "config": {
+            "hidden_size": 128,
+            "intermediate_size": 352,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 256,
+        },
+    },
+    "data": {"seq_len": 128},
+    "train": {"micro_batch_size": 8, "max_steps": 40, "lr": 3.0e-3, "warmup_steps": 4},
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Strict):
+    type: str = "llama"
+    """transformers `model_type` (llama, gpt2, qwen2, mistral, ...), built with AutoConfig.for_model."""
+    pretrained: Optional[str] = None
+    """Optional local directory with a transformers config (and weights). Nothing is downloaded."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Keys of the transformers config class, e.g. hidden_size, num_hidden_layers."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Master parameter dtype before DeepSpeed; DeepSpeed's bf16/fp16 sections decide compute precision."""
+
+
+class DataSection(_Strict):
+    paths: list[str] = Field(default_factory=list)
+    """Files or glob patterns (.txt, .md, .py, .jsonl, .json, .parquet). Empty: Python's stdlib sources."""
+    text_key: str = "text"
+    """Column holding text in JSONL/parquet files."""
+    tokenizer: str = "byte"
+    """'byte' (256 byte values + EOS) or a local Hugging Face tokenizer directory."""
+    seq_len: PositiveInt = 128
+    max_bytes: Optional[PositiveInt] = 8_000_000
+    """Read at most this many bytes of text (keeps the default corpus small)."""
+    cache_dir: str = ".cache/memtrain"
+    """Packed token arrays are cached here, keyed by files, tokenizer and seq_len."""
+    random_tokens: bool = False
+    """Train on seeded random token ids over the model's vocabulary instead of files (benchmarks:
+    throughput and memory do not depend on what the tokens say). No file is read."""
+
+
+class TrainSection(_Strict):
+    micro_batch_size: PositiveInt = 8
+    grad_accum_steps: PositiveInt = 1
+    max_steps: PositiveInt = 40
+    lr: PositiveFloat = 3.0e-3
+    min_lr: float = Field(0.0, ge=0)
+    warmup_steps: NonNegativeInt = 4
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    seed: int = 1234
+    log_every: Optional[PositiveInt] = Field(None, validation_alias=AliasChoices("log_every", "log_interval"))
+    """Reduce the loss, agree on stop signals and log metrics every N steps (and at the last step).
+    Default: the JSON's steps_per_print if it sets one, else 10. Between these boundaries a step
+    never waits for the device. (`log_interval` is accepted as an old name.)"""
+    metric_warmup_steps: NonNegativeInt = 3
+    """Steps excluded from throughput/time medians (compilation, allocator warm-up)."""
+    save_interval: NonNegativeInt = 0
+    """Save a model checkpoint every N steps (0: only at the end)."""
+    keep_last: PositiveInt = 2
+    """Model checkpoints to keep; older ones are deleted."""
+    save_checkpoints: bool = True
+    """false: no model checkpoint at all, not at the end nor on a stop signal (benchmarks)."""
+    peak_tflops: Optional[PositiveFloat] = None
+    """Peak dense TFLOP/s of one device, for MFU. Auto-detected for known GPUs."""
+
+
+class ACSection(_Strict):
+    policy: str = "full"
+    """none | full | every:K | first:N | sqrt | selective:attn | selective:mlp | op | modules, and
+    compositions such as op+first:4 (see memtrain.recompute.POLICY_HELP), or auto (per-layer choice under
+    memory_budget, see memtrain.memory.planner). Recompute is on only when the
+    DeepSpeed JSON has an `activation_checkpointing` section; without one the default becomes none."""
+    segment_len: Optional[PositiveInt] = None
+    """sqrt: layers per segment (default: round(sqrt(L)) of the L layers it covers)."""
+    modules: list[str] = Field(default_factory=list)
+    """policy 'modules': module paths to recompute, '*' = one path part (e.g. model.layers.*.mlp)."""
+    op_save: list[str] = Field(default_factory=lambda: ["matmul", "attention"])
+    """op: ops whose outputs are saved, the rest recomputed: matmul, attention or an aten op name
+    (e.g. mul.Tensor); name/N saves every N-th call only (torchtitan's matmul/2)."""
+    backend: Literal["auto", "torch", "deepspeed"] = "auto"
+    """auto: DeepSpeed's checkpoint when the JSON asks for partitioning or CPU checkpointing, else torch's."""
+    offload_skip_last: NonNegativeInt = 1
+    """With the JSON's cpu_checkpointing on: the last N offload units keep their checkpointed input on
+    the device (the backward needs them first); all earlier ones go to host memory. A unit is what
+    one checkpoint call keeps an input for: a recomputed layer (or its sublayer), a sqrt segment
+    (its head layer's input), a module matched by policy 'modules'."""
+    cpu_checkpointing_impl: Literal["memtrain", "deepspeed"] = "memtrain"
+    """Who offloads when the JSON's cpu_checkpointing is on: memtrain (memtrain.recompute.offload, either
+    backend) or DeepSpeed's own CPU_CHECKPOINT (for comparison; needs the deepspeed backend)."""
+    memory_budget: Optional[PositiveFloat] = None
+    """policy 'auto': GiB per device the predicted peak must fit (memtrain.memory.planner picks, per layer,
+    keep/op/attn/mlp/full/full+offload with the least predicted step time). On CPU the budget
+    applies to the predicted model states + activations, not to the process RSS."""
+
+
+class Recipe(_Strict):
+    name: str = DEFAULT_RECIPE_NAME
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    activation_checkpointing: ACSection = Field(default_factory=ACSection)
+
+
+# --------------------------------------------------------------------------- loading
+
+def _did_you_mean(model: type[BaseModel], loc: tuple) -> str:
+    """Suggest the closest valid key for an unknown key at `loc`."""
+    cls: Any = model
+    for part in loc[:-1]:
+        field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            return ""
+        cls = field.annotation
+    if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(cls.model_fields), n=1)
+    allowed = ", ".join(cls.model_fields)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{hint}allowed: {allowed}"
+
+
+def format_validation_error(err: ValidationError, source: str, model: type[BaseModel]) -> str:
+    """First pydantic error as '<source>: <key.path>: <what is wrong>'."""
+    e = err.errors()[0]
+    loc = tuple(e["loc"])
+    key = ".".join(str(p) for p in loc) or "<root>"
+    if e["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{key}'; {_did_you_mean(model, loc)}"
+    value = e.get("input")
+    shown = f" (got {value!r})" if not isinstance(value, (dict, list)) else ""
+    return f"{source}: {key}: {e['msg']}{shown}"
+
+
+def _parse_scalar(text: str) -> Any:
+    """--set values are YAML scalars: 4 -> int, 1e-3 -> float, true -> bool, every:2 -> str."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `key.path=value` overrides to a nested dict (in place) and return it."""
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: expected key.path=value")
+        path, _, raw = item.partition("=")
+        keys = path.strip().split(".")
+        if not all(keys):
+            raise UserError(f"--set {item!r}: empty key in path '{path}'")
+        node = data
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise UserError(f"--set {path}: '{k}' is not a section")
+            node = child
+        node[keys[-1]] = _parse_scalar(raw)
+    return data
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: recipe file not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"{p}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def load_recipe(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Recipe:
+    """Load a recipe file (or the embedded default), apply overrides and validate."""
+    import copy
+
+    if path:
+        data = load_yaml(path)
+        data.setdefault("name", Path(path).stem)
+        source = str(path)
+    else:
+        data = copy.deepcopy(DEFAULT_RECIPE)
+        source = "recipe 'tiny' (embedded default)"
+    if overrides:
+        apply_overrides(data, overrides)
+        source += " with --set"
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, source, Recipe)) from None

@@ -1,0 +1,1 @@
+"""Memory: the activation tracker, the peak-memory estimate, the `auto` planner."""

@@ -1,0 +1,322 @@
+"""`policy: auto`: per layer, keep / op / attn / mlp / full / full+offload, chosen to fit a memory
+budget with the least predicted step time. Solved exactly by dynamic programming over layers.
+
+Step-time model (only the differences between plans matter; the step itself is the same work):
+* recompute of a layer = its measured extra backward FLOPs / the device's matmul rate
+  + the extra bytes its recompute writes / the device's copy rate (memory-bound ops);
+* offload of a layer's checkpointed input = its bytes / host-link rate, each way, less what
+  overlaps: the copy out overlaps the next layer's forward, the copy back the backward of the
+  `PREFETCH_DEPTH` layers memtrain.recompute.offload prefetches ahead.
+
+Memory model: `memtrain.memory.estimate` (peaks over forward, loss and backward; prefix sums of
+what layers leave alive). The DP keeps, after each layer, the Pareto front of (bytes left alive
+so far, predicted time); every constraint grows with the bytes so far, so a state with more bytes
+and more time can never lead to a better plan, and dropping it keeps the search exact.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from memtrain.recompute.policy import ACPlan, resolve_backend
+from memtrain.errors import UserError
+from memtrain.units import gib
+from memtrain.memory.estimate import (OFFLOAD, ActivationProfile, ModelStates, Prediction, Rates, Target, activation_peak, allocator_margin, choice_mode, layer_footprint, model_states, predict)
+
+# --------------------------------------------------------------------------- choices and their time
+
+def available_choices(profile: ActivationProfile, backend: str, offload: bool) -> tuple[str, ...]:
+    """What a layer may do: the measured modes (op only under torch's checkpoint), and full+offload
+    where offload saves device memory (a GPU with measured host-link bandwidth)."""
+    modes = [m for m in ("keep", "op", "attn", "mlp", "full") if m in profile.layers]
+    if backend == "deepspeed" and "op" in modes:
+        modes.remove("op")  # op-level recompute needs torch's non-reentrant checkpoint
+    if offload and "full" in modes:
+        modes.append("full" + OFFLOAD)
+    return tuple(modes)
+
+
+def choice_seconds(profile: ActivationProfile, rates: Rates, choice: str) -> float:
+    """Predicted extra step time of one layer under `choice`, over keeping everything."""
+    from memtrain.recompute.offload import PREFETCH_DEPTH
+
+    mode, offload = choice_mode(choice)
+    c = profile.layers[mode]
+    seconds = c.recompute_flops / rates.flops_per_s + c.recompute_written / rates.bytes_per_s
+    if offload:
+        copy_s = c.input_bytes / rates.host_bytes_per_s
+        fwd_s = c.fwd_flops / rates.flops_per_s
+        bwd_s = c.bwd_flops / rates.flops_per_s
+        seconds += max(0.0, copy_s - fwd_s) + max(0.0, copy_s - PREFETCH_DEPTH * bwd_s)
+    return seconds
+
+
+# --------------------------------------------------------------------------- the exact DP
+
+def _prefetch_unit(profile: ActivationProfile, choices: tuple[str, ...]) -> tuple[int, int]:
+    """(offloaded layers memtrain.recompute.offload restores ahead, bytes of one offloaded input); (0, 0) without offload."""
+    from memtrain.recompute.offload import PREFETCH_DEPTH
+
+    offloaded = [c for c in choices if choice_mode(c)[1]]
+    if not offloaded:
+        return 0, 0
+    return PREFETCH_DEPTH, max(profile.layers[choice_mode(c)[0]].input_bytes for c in offloaded)
+
+
+def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[str, ...],
+          seconds: dict[str, float], num_layers: Optional[int] = None,
+          backward_extra: int = 0) -> Optional[tuple[str, ...]]:
+    """The plan with the least predicted time whose activation peak fits `activation_limit`; None if none.
+
+    State after layer i: bytes its layers leave alive (the prefix, which every later constraint
+    adds to), the time so far, and what the offload terms depend on: how many offloaded layers lie
+    below (up to PREFETCH_DEPTH: their inputs are restored ahead during a later backward) and
+    whether the layer just placed is offloaded (on CUDA its copy holds its input through the next
+    forward). Exact within each such key: only states worse in both bytes and time are dropped.
+    `backward_extra` (ZeRO-1/2 reduce buffers) adds to every backward-phase constraint. The
+    prefetch term is counted for a kept layer as well (exact when a checkpointed layer lies above it).
+    """
+    n = num_layers or profile.num_layers
+    depth, inp = _prefetch_unit(profile, choices)
+    side_stream = profile.target.device == "cuda"
+    foot = {c: layer_footprint(profile, c) for c in choices}
+    # last layer: no offload (the backward needs its input first, before any copy back could overlap)
+    last_choices = tuple(c for c in choices if not c.endswith(OFFLOAD))
+    # states: (prefix bytes, seconds, back-pointer, offloaded layers below (capped), last layer offloaded)
+    front = [(profile.base, 0.0, None, 0, False)]
+    history = []
+    for i in range(n):
+        nxt = {}
+        for idx, (prefix, secs, _, below, last_off) in enumerate(front):
+            for choice in (last_choices if i == n - 1 else choices):
+                resident, fwd, bwd = foot[choice]
+                offload = choice_mode(choice)[1]
+                side = inp if side_stream and last_off else 0
+                ahead = min(depth, below) * inp
+                if (prefix + fwd + side <= activation_limit and prefix + resident + profile.head_net + bwd + ahead
+                        + backward_extra <= activation_limit):
+                    key = (min(depth, below + offload), offload)
+                    nxt.setdefault(key, []).append((prefix + resident, secs + seconds[choice], (idx, choice)) + key)
+        front = []
+        for states in nxt.values():
+            states.sort(key=lambda s: (s[0], s[1]))
+            best = float("inf")
+            for state in states:  # Pareto front per key: increasing bytes, strictly decreasing time
+                if state[1] < best - 1e-15:
+                    front.append(state)
+                    best = state[1]
+        history.append(front)
+        if not front:
+            return None
+    tail = profile.base + profile.head_net + profile.tail_excess + backward_extra
+    fitting = [k for k, s in enumerate(front) if s[0] + profile.head_excess + backward_extra <= activation_limit]
+    if not fitting or tail > activation_limit:
+        return None
+    k = min(fitting, key=lambda j: front[j][1])
+    plan = []
+    for i in range(n - 1, -1, -1):
+        _, _, (parent, choice), _, _ = history[i][k]
+        plan.append(choice)
+        k = parent
+    return tuple(reversed(plan))
+
+
+def feasible(profile: ActivationProfile, activation_limit: int, choices: tuple[str, ...],
+             backward_extra: int = 0) -> Optional[tuple[str, ...]]:
+    """Some plan whose activation peak fits, or None: the DP with every choice free, which keeps
+    one state (the fewest bytes alive) per offload key and layer."""
+    return solve(profile, activation_limit, choices, {c: 0.0 for c in choices}, backward_extra=backward_extra)
+
+
+def smallest_peak(profile: ActivationProfile, choices: tuple[str, ...],
+                  backward_extra: int = 0) -> tuple[int, tuple[str, ...]]:
+    """The smallest activation peak (with `backward_extra` in the backward) any plan reaches, and
+    a plan reaching it: bisection on the limit with `feasible`."""
+    lo, hi = 0, max(activation_peak(profile, (c,) * profile.num_layers)[0]
+                    for c in choices if not c.endswith(OFFLOAD)) + backward_extra
+    best = feasible(profile, hi, choices, backward_extra)
+    while hi - lo > max(4096, hi >> 12):  # to 0.025% of the peak
+        mid = (lo + hi) // 2
+        plan = feasible(profile, mid, choices, backward_extra)
+        if plan is None:
+            lo = mid
+        else:
+            hi, best = mid, plan
+    return activation_peak(profile, best)[0], best
+
+
+# --------------------------------------------------------------------------- the planner
+
+@dataclass
+class PlanResult:
+    """What `policy: auto` chose, and why."""
+
+    layers: tuple[str, ...]  # per layer: a choice (mode, or full+offload)
+    prediction: Prediction
+    budget: int
+    seconds: float  # predicted extra step time over keeping everything
+    uniform: dict[str, dict] = field(default_factory=dict)  # per choice: peak and seconds of the uniform plan
+    rates: Optional[dict] = None
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(choice_mode(c)[0] for c in self.layers)
+
+    @property
+    def offload(self) -> tuple[bool, ...]:
+        return tuple(choice_mode(c)[1] for c in self.layers)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prediction"] = self.prediction.to_dict()
+        d["predicted_peak_gib"] = gib(self.prediction.peak)
+        return d
+
+    def describe(self) -> str:
+        p = self.prediction
+        counts = {c: self.layers.count(c) for c in dict.fromkeys(self.layers)}
+        return "\n".join([
+            f"auto plan: {', '.join(f'{n} x {c}' for c, n in counts.items())} under a budget of "
+            f"{gib(self.budget):.3f} GiB; predicted extra time {self.seconds * 1e3:.1f} ms/micro-step",
+            f"  predicted peak {gib(p.peak):.3f} GiB = model states {gib(p.model_states.total):.3f} + "
+            f"activations {gib(p.activation_peak):.3f} (at {p.phase})"
+            + (f" + ZeRO reduce buffers {gib(p.reduce_buffers):.3f}" if p.reduce_buffers else "")
+            + f" + allocator margin {gib(p.margin):.3f}",
+        ])
+
+
+def activation_limit(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...], budget: int) -> int:
+    """Bytes the activations may peak at: the budget less model states and allocator margin
+    (negative when even the optimizer step's fp32 gradients do not fit). The backward's ZeRO-1/2
+    reduce buffers are not taken off: `solve` adds them to the backward constraints."""
+    margin = allocator_margin(profile)
+    limit = budget - states.total - margin
+    return limit if states.update <= limit else -1
+
+
+def predicted_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...],
+                   rates: Rates, budget: int) -> Optional[PlanResult]:
+    seconds = {c: choice_seconds(profile, rates, c) for c in choices}
+    limit = activation_limit(profile, states, choices, budget)
+    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward)
+    if plan is None:
+        return None
+    uniform = {}
+    for c in choices:
+        pred = predict(profile, states, (c,) * profile.num_layers)
+        uniform[c] = {"peak_gib": gib(pred.peak), "seconds": seconds[c] * profile.num_layers,
+                      "fits": pred.peak <= budget}
+    return PlanResult(plan, predict(profile, states, plan), budget, sum(seconds[c] for c in plan), uniform,
+                      rates.to_dict())
+
+
+def _ds_variant(ds_config: dict, stage: Optional[int] = None, offload_optimizer: bool = False) -> dict:
+    cfg = copy.deepcopy(ds_config)
+    zero = cfg.setdefault("zero_optimization", {})
+    if stage is not None:
+        zero["stage"] = stage
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return cfg
+
+
+def what_fits(profile: ActivationProfile, ds_config: dict, target: Target, choices: tuple[str, ...],
+              budget: int) -> tuple[float, str]:
+    """(smallest achievable peak in GiB, what would fit: micro-batch, GPUs, ZeRO stage, offload)."""
+    from memtrain.config.ds_config import zero_stage
+
+    def fits(prof: ActivationProfile, states: ModelStates) -> bool:
+        return feasible(prof, activation_limit(prof, states, choices, budget), choices, states.backward) is not None
+
+    states = model_states(profile, ds_config, target)
+    act, plan = smallest_peak(profile, choices, states.backward)
+    peak = predict(profile, states, plan).peak
+    options = []
+    for mb in range(target.micro_batch_size - 1, 0, -1):
+        if fits(profile.scaled(mb), states):
+            options.append(f"train.micro_batch_size={mb}")
+            break
+    stage = zero_stage(ds_config)
+    for world in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        if world > target.world_size and stage >= 1:
+            t = Target(**{**asdict(target), "world_size": world})
+            if fits(profile, model_states(profile, ds_config, t)):
+                options.append(f"{world} GPUs")
+                break
+    for higher in range(stage + 1, 4):
+        if fits(profile, model_states(profile, _ds_variant(ds_config, higher), target)):
+            options.append(f"zero_optimization.stage={higher}")
+            break
+    if stage >= 1 and not (ds_config.get("zero_optimization", {}).get("offload_optimizer")):
+        if fits(profile, model_states(profile, _ds_variant(ds_config, offload_optimizer=True), target)):
+            options.append("zero_optimization.offload_optimizer.device=cpu")
+    return gib(peak), (" or ".join(options) if options else "none of a smaller micro-batch, more GPUs, "
+                       "a higher ZeRO stage or optimizer offload alone")
+
+
+def auto_plan(recipe, ds_config: dict, world_size: int, config=None, target: Optional[Target] = None,
+              rates: Optional[Rates] = None) -> tuple[ACPlan, PlanResult]:
+    """`activation_checkpointing.policy: auto`: the ACPlan that fits `memory_budget` with the least
+    predicted step time. Raises UserError (one line) when no plan fits."""
+    from memtrain.config.ds_config import ac_section
+    from memtrain.memory.estimate import make_target, measure_rates, model_and_config, profile_activations
+
+    section = recipe.activation_checkpointing
+    if section.memory_budget is None:
+        raise UserError("activation_checkpointing.memory_budget: policy 'auto' needs a budget in GiB "
+                        "(the predicted peak device memory per GPU must fit it)")
+    budget = int(section.memory_budget * (1 << 30))
+    target = target or make_target(recipe, ds_config, world_size)
+    config = config or model_and_config(recipe)
+    ds_ac = ac_section(ds_config)
+    backend = resolve_backend(section.backend, ds_ac)
+    profile = profile_activations(config, target)
+    states = model_states(profile, ds_config, target)
+    rates = rates or measure_rates(target.dtype)
+    offload = target.device == "cuda" and rates.host_bytes_per_s > 0 and ds_ac["cpu_checkpointing"]
+    choices = available_choices(profile, backend, offload)
+    result = predicted_plan(profile, states, choices, rates, budget)
+    if result is None:
+        peak, hint = what_fits(profile, ds_config, target, choices, budget)
+        raise UserError(f"activation_checkpointing.memory_budget: nothing fits {section.memory_budget:g} GiB "
+                        f"per device: the smallest achievable predicted peak is {peak:.3f} GiB "
+                        f"(model states {gib(states.total):.3f} GiB); would fit: {hint}")
+    plan = ACPlan(policy="auto", layers=result.modes, backend=backend, op_save=tuple(section.op_save),
+                     cpu_checkpointing=ds_ac["cpu_checkpointing"], offload=result.offload,
+                     partition_activations=ds_ac["partition_activations"] and backend == "deepspeed")
+    return plan, result
+
+
+def suggest_fit(recipe, ds_config: dict, world_size: int, budget_bytes: int) -> str:
+    """For an out-of-memory report: the smallest peak memtrain's AC can reach, and what would fit."""
+    from memtrain.config.ds_config import ac_section
+    from memtrain.memory.estimate import make_target, model_and_config, profile_activations
+
+    target = make_target(recipe, ds_config, world_size)
+    profile = profile_activations(model_and_config(recipe), target)
+    backend = resolve_backend(recipe.activation_checkpointing.backend, ac_section(ds_config))
+    choices = available_choices(profile, backend, offload=False)
+    peak, hint = what_fits(profile, ds_config, target, choices, budget_bytes)
+    if peak * (1 << 30) <= budget_bytes:
+        return (f"predicted: activation_checkpointing.policy=auto with memory_budget={gib(budget_bytes):.1f} "
+                f"fits (smallest predicted peak {peak:.2f} GiB)")
+    return f"predicted smallest peak with any AC plan {peak:.2f} GiB > {gib(budget_bytes):.1f} GiB; would fit: {hint}"
+
+
+def predict_run(recipe, ds_config: dict, world_size: int, plan: ACPlan, config=None,
+                target: Optional[Target] = None) -> Prediction:
+    """The predicted peak device memory per device of a run under any ACPlan the trainer applies
+    (every policy: none, full, every/first, selective, op, sqrt segments, modules patterns, auto,
+    with memtrain's or DeepSpeed's offload). Fake tensors only: seconds at start-up.
+
+    `plan.layers[i]` maps to the memory model's choice for layer i (with '+offload' where
+    `plan.offload[i]`), `plan.segments` to sqrt units, `plan.modules` to per-layer measured modes
+    (see memory_model.plan_choices); what cannot be modelled is said in `Prediction.notes`.
+    `ds_config` is the run's DeepSpeed config (resolved or raw: 'auto' values are read as
+    memtrain resolves them)."""
+    from memtrain.memory.estimate import make_target, model_and_config, predict_plan
+
+    target = target or make_target(recipe, ds_config, world_size)
+    config = config or model_and_config(recipe)
+    return predict_plan(config, target, ds_config, plan)

@@ -1,0 +1,1 @@
+"""The model and its inputs: build from config, local data, FLOPs."""

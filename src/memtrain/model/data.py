@@ -1,0 +1,205 @@
+"""Local text data: load with `datasets`, tokenize, pack into fixed-length sequences, cache.
+
+Batches are a pure function of (step, micro-step, rank), so a resumed run reads exactly
+the samples an uninterrupted run would have read: no sampler state to save.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memtrain.errors import UserError
+from memtrain.config.recipe import DataSection
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # everything else: "text"
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus EOS = 256. Needs no files."""
+
+    name = "byte"
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+
+class HFTokenizer:
+    """Any tokenizer saved in a local directory (AutoTokenizer, local files only)."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.name = str(Path(path).resolve())
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers raises many types for a bad directory
+            raise UserError(f"data.tokenizer: cannot load tokenizer from '{path}': {str(e).splitlines()[0]}") from None
+        eos = self._tok.eos_token_id
+        self.eos_token_id = eos if eos is not None else self._tok.sep_token_id
+        self.vocab_size = len(self._tok)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        ids = self._tok(texts, add_special_tokens=False)["input_ids"]
+        return [np.asarray(x, dtype=np.int64) for x in ids]
+
+
+def build_tokenizer(spec: str):
+    if spec == "byte":
+        return ByteTokenizer()
+    if not Path(spec).is_dir():
+        raise UserError(f"data.tokenizer: '{spec}' is neither 'byte' nor an existing tokenizer directory")
+    return HFTokenizer(spec)
+
+
+# --------------------------------------------------------------------------- files
+
+def default_corpus_files() -> list[Path]:
+    """The embedded default corpus: this Python's own standard-library sources."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in stdlib.glob("*.py") if p.is_file())
+
+
+def resolve_files(cfg: DataSection) -> list[Path]:
+    if not cfg.paths:
+        files = default_corpus_files()
+        if not files:
+            raise UserError("data.paths: empty, and no standard-library sources were found for the default corpus")
+        return files
+    files: list[Path] = []
+    for i, pattern in enumerate(cfg.paths):
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [Path(m) for m in matches if Path(m).is_file()]
+        if not matches:
+            raise UserError(f"data.paths[{i}]: '{pattern}' matches no file")
+        files.extend(matches)
+    return files
+
+
+def _read_texts(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[str]:
+    """Load documents with `datasets` (text, JSON lines or parquet), up to cfg.max_bytes."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    groups: dict[str, list[str]] = {}
+    for f in files:
+        groups.setdefault(_BUILDERS.get(f.suffix.lower(), "text"), []).append(str(f))
+    texts: list[str] = []
+    budget = cfg.max_bytes or float("inf")
+    for builder, paths in groups.items():
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        try:
+            ds = datasets.load_dataset(builder, data_files=paths, split="train",
+                                       cache_dir=str(cache_dir / "hf"), **kwargs)
+        except Exception as e:  # a corrupt file surfaces as one of many datasets/arrow errors
+            raise UserError(f"data.paths: cannot read {builder} files ({paths[0]} ...): {str(e).splitlines()[0]}") from None
+        column = "text" if builder == "text" else cfg.text_key
+        if column not in ds.column_names:
+            raise UserError(f"data.text_key: column '{column}' not in {paths[0]} (columns: {', '.join(ds.column_names)})")
+        for text in ds[column]:
+            if isinstance(text, str) and text.strip():
+                texts.append(text[: int(budget)])
+                budget -= len(texts[-1])
+                if budget <= 0:
+                    return texts
+    return texts
+
+
+def _cache_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(json.dumps([tokenizer.name, cfg.seq_len, cfg.max_bytes, cfg.text_key]).encode())
+    return h.hexdigest()[:20]
+
+
+# --------------------------------------------------------------------------- packed data
+
+@dataclass
+class PackedData:
+    """Token sequences of length seq_len, shape [num_sequences, seq_len]."""
+
+    sequences: np.ndarray
+    vocab_size: int
+    seed: int
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> torch.Tensor:
+        """The micro-batch that `rank` trains on at (step, micro). Pure function: resume-exact."""
+        n = len(self.sequences)
+        first = ((step * grad_accum + micro) * world + rank) * micro_batch
+        rows = []
+        for g in range(first, first + micro_batch):
+            epoch, pos = divmod(g, n)
+            rows.append(self._permutation(epoch)[pos])
+        return torch.from_numpy(self.sequences[rows].astype(np.int64))
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        cached = getattr(self, "_perm", None)
+        if cached is None or cached[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.sequences)))
+        return self._perm[1]
+
+
+@dataclass
+class RandomTokens:
+    """`data.random_tokens`: seeded random ids in [0, vocab_size), the same interface as PackedData.
+    A batch is a pure function of its position, like PackedData's, so resume stays exact."""
+
+    vocab_size: int
+    seq_len: int
+    seed: int
+
+    def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> torch.Tensor:
+        first = ((step * grad_accum + micro) * world + rank) * micro_batch
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + first)
+        return torch.randint(0, self.vocab_size, (micro_batch, self.seq_len), generator=generator)
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch -> device without blocking the host: pinned memory and a non-blocking copy on the
+    current stream (ordered before the forward that reads it; the caching host allocator keeps the
+    pinned buffer alive until the copy is done)."""
+    if device.type != "cuda":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
+def prepare_data(cfg: DataSection, seed: int, build: bool = True) -> PackedData:
+    """Tokenize and pack the corpus, or load the cached packing. `build=False` only loads."""
+    files = resolve_files(cfg)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    cache_dir = Path(cfg.cache_dir)
+    cache_file = cache_dir / f"packed-{_cache_key(files, cfg, tokenizer)}.npy"
+    if not cache_file.exists():
+        if not build:
+            raise FileNotFoundError(cache_file)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        texts = _read_texts(files, cfg, cache_dir)
+        ids = tokenizer.encode_batch(texts)
+        eos = np.array([tokenizer.eos_token_id], dtype=np.int64)
+        stream = np.concatenate([np.concatenate([x.astype(np.int64), eos]) for x in ids]) if ids else eos[:0]
+        n = len(stream) // cfg.seq_len
+        if n == 0:
+            raise UserError(f"data.paths: {len(files)} file(s) hold {len(stream)} tokens, "
+                            f"fewer than one sequence of data.seq_len={cfg.seq_len}")
+        dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.int32
+        packed = stream[: n * cfg.seq_len].reshape(n, cfg.seq_len).astype(dtype)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}.npy")
+        np.save(tmp, packed)
+        os.replace(tmp, cache_file)  # atomic: concurrent readers never see a partial file
+    return PackedData(np.load(cache_file, mmap_mode="r"), tokenizer.vocab_size, seed)

@@ -1,0 +1,1 @@
+"""Activation recompute: policies, the hooks that install them, offload of checkpointed inputs."""

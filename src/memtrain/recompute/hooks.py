@@ -1,0 +1,361 @@
+"""Recompute hooks: install an `ACPlan` on a transformers model (torch or DeepSpeed checkpoint, op-level SAC, offload).
+
+`apply_plan` installs any such plan on a transformers decoder
+model whose layers are `GradientCheckpointingLayer`s:
+
+* whole layers (`full`, `op`, segments) go through transformers' own per-layer hook
+  (`layer.gradient_checkpointing` + `layer._gradient_checkpointing_func`), so module hooks
+  such as ZeRO-3's parameter gathering stay outside the checkpoint;
+* sublayers (`attn`, `mlp`) and pattern-matched modules get a checkpointed `forward`.
+
+Each checkpointed unit runs through `checkpoint_function(plan, index)`:
+
+* ``torch``: `torch.utils.checkpoint.checkpoint(use_reentrant=False)`; mode `op` adds
+  `create_selective_checkpoint_contexts` (save matmul/attention outputs, recompute the rest);
+* ``deepspeed``: `deepspeed.checkpointing.checkpoint` (reentrant), configured from the
+  DeepSpeed JSON's `activation_checkpointing` section, which is inert without this.
+
+Both backends restore the RNG state before a recompute, so recomputed dropout masks equal
+the forward's.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import types
+import warnings as _warnings
+from contextlib import contextmanager
+from typing import Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from memtrain.errors import UserError
+from memtrain.memory.tracker import current_activation_meter
+from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, _SUBLAYERS, ACPlan, op_rules
+from memtrain.recompute.offload import ActivationOffloader
+
+def _draws_random(func, args, kwargs) -> bool:
+    """Ops that consume the RNG must be recomputed so the recompute draws the same numbers in order."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" in names:  # attention kernels are tagged seeded but draw only with dropout on
+        i = names.index("dropout_p")
+        return float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)) > 0.0
+    return True
+
+
+def op_context_fn(entries) -> Callable:
+    """`context_fn` for torch's checkpoint: save the outputs of the listed ops, recompute the rest.
+
+    Counting for 'name/N' restarts at every checkpointed call (torchtitan's "every second
+    matmul" is `matmul/2`: the 1st, 3rd, ... calls are saved).
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    rules = op_rules(entries)
+
+    def context_fn():
+        counts = [0] * len(rules)
+
+        def policy(ctx, func, *args, **kwargs):
+            if _draws_random(func, args, kwargs):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            for i, (ops, every) in enumerate(rules):
+                if func in ops:
+                    counts[i] += 1
+                    return CheckpointPolicy.MUST_SAVE if (counts[i] - 1) % every == 0 \
+                        else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        return _metered(caching), cached
+
+    return context_fn
+
+
+@contextmanager
+def _metered(caching):
+    """Selective checkpoint keeps saved op outputs in its own storage, not via autograd's
+    saved-tensor hooks: report them to the activation meter."""
+    with caching:
+        yield
+    meter = current_activation_meter()
+    if meter is not None:
+        # torch 2.13 keeps a dict per op, torch 2.11 (the GPU image's) a list; entries are
+        # version wrappers (`.val`) or the tensors themselves
+        meter.retain(getattr(w, "val", w) for entries in caching.storage.values()
+                     for entry in (entries.values() if isinstance(entries, dict) else entries)
+                     for w in tree_leaves(entry))
+
+
+# --------------------------------------------------------------------------- checkpoint functions
+
+# Set by `observe_recompute` (used by memtrain.tools.ac_profile): a context-manager factory entered
+# around every run of a checkpointed function while it is active.
+_OBSERVER: Optional[Callable[[], ContextManager]] = None
+
+
+@contextmanager
+def observe_recompute(observer: Callable[[], ContextManager]):
+    """Run every checkpointed function under `observer()`; active around a backward, it sees the recomputes."""
+    global _OBSERVER
+    previous, _OBSERVER = _OBSERVER, observer
+    try:
+        yield
+    finally:
+        _OBSERVER = previous
+
+
+def _observed(function: Callable) -> Callable:
+    def run(*args):
+        observer = _OBSERVER
+        if observer is None:
+            return function(*args)
+        with observer():
+            return function(*args)
+
+    return run
+
+
+def _retain(args, kwargs) -> None:
+    """Checkpoints keep their inputs (and the tensors bound into their function) alive outside
+    autograd's saved tensors: report them to the activation meter."""
+    meter = current_activation_meter()
+    if meter is not None and torch.is_grad_enabled():
+        meter.retain(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+
+
+def _torch_checkpoint(function, *args, context_fn=None):
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, context_fn=context_fn or torch.utils.checkpoint.noop_context_fn)
+
+
+def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
+                        offloader: Optional[ActivationOffloader] = None, offload: Optional[bool] = None) -> Callable:
+    """`fn(function, *args)` running one checkpointed unit of `plan`: layer `index` (its sublayer,
+    or the segment it starts), or with `index=None` a pattern-matched module (mode full).
+    With an `offloader`, the unit's checkpointed inputs are handed to it (offloaded when `offload`,
+    by default `plan.offload[index]`; every unit schedules the prefetch of the ones before it)."""
+    mode = plan.layers[index] if index is not None else FULL
+    if plan.backend == "deepspeed":
+        import deepspeed
+
+        base = deepspeed.checkpointing.checkpoint
+    elif mode == OP:
+        base = functools.partial(_torch_checkpoint, context_fn=op_context_fn(plan.op_save))
+    else:
+        base = _torch_checkpoint
+
+    def run(function, *args):
+        _retain(args, getattr(function, "keywords", None))
+        return base(_observed(function), *args)
+
+    if offloader is None:
+        return run
+    if offload is None:
+        offload = index is not None and plan.offload[index]
+    return offloader.wrap(run, plan.backend, offload)
+
+
+def configure_deepspeed_ac(ds_config: dict, plan: ACPlan) -> None:
+    """Make the JSON's activation_checkpointing section take effect (DeepSpeed leaves it inert).
+    DeepSpeed's own CPU_CHECKPOINT runs only when the plan says DeepSpeed offloads; otherwise the
+    JSON's `cpu_checkpointing` is memtrain's (memtrain.recompute.offload) and DeepSpeed must not copy too."""
+    import deepspeed
+
+    ds_own = plan.cpu_checkpointing and plan.offload_impl == "deepspeed"
+    ds_config = {**ds_config, "activation_checkpointing": {**ds_config.get("activation_checkpointing", {}),
+                                                           "cpu_checkpointing": ds_own}}
+    deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+
+
+# --------------------------------------------------------------------------- installing a plan
+
+def _hidden(out):
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _same(a, b) -> bool:
+    (la, sa), (lb, sb) = tree_flatten(a), tree_flatten(b)
+    return sa == sb and all(x is y or (not isinstance(x, torch.Tensor) and x == y) for x, y in zip(la, lb))
+
+
+class _Segment:
+    """Layers [start, stop) recomputed as one unit. The first layer runs them all inside one
+    checkpoint (so only the segment input is kept); the model's loop then calls the others,
+    which pass the segment output through."""
+
+    def __init__(self, layers: list, checkpoint: Callable) -> None:
+        self.layers, self.checkpoint = layers, checkpoint
+        self.inside = False
+        # of the latest forward: (args after the hidden state, kwargs, the output's hidden-state
+        # storage address and shape, the output's other elements or None for a bare tensor). Not
+        # the output itself: it is the next unit's input, which offload must be able to free.
+        self.last = None
+
+    def _run(self, function, kwargs, *args):
+        out = function(*args)
+        self.inside = True
+        try:
+            for layer in self.layers[1:]:  # through __call__: module hooks (ZeRO-3 gathering) run
+                out = layer(_hidden(out), *args[1:], **kwargs)
+        finally:
+            self.inside = False
+        return out
+
+    def head(self, function, *args):
+        kwargs = function.keywords  # transformers passes partial(forward, layer, **kwargs)
+        _retain((), kwargs)
+        out = self.checkpoint(functools.partial(self._run, function, kwargs), *args)
+        hidden = _hidden(out)
+        self.last = (args[1:], kwargs, hidden.untyped_storage().data_ptr(), hidden.shape,
+                     None if isinstance(out, torch.Tensor) else (type(out), tuple(out[1:])))
+        return out
+
+    def follower(self, function, *args):
+        if self.inside:
+            return function(*args)
+        rest, kwargs, data_ptr, shape, others = self.last
+        if not (_same(args[1:], rest) and _same(function.keywords, kwargs) and args[0].shape == shape
+                and args[0].untyped_storage().data_ptr() == data_ptr):
+            raise UserError("activation_checkpointing.policy: sqrt segments need the layers of a segment to get the "
+                            "same arguments and each other's outputs unchanged; this model passes per-layer "
+                            "arguments or changes hidden states between layers: use policy full or segment_len: 1")
+        return args[0] if others is None else others[0]((args[0], *others[1]))
+
+
+def _checkpointed_forward(self, *args, **kwargs):
+    """`forward` of a recomputed sublayer/module. Every tensor goes in positionally: DeepSpeed's
+    reentrant checkpoint only back-propagates into positional tensor arguments."""
+    forward = functools.partial(type(self).forward, self)
+    if not (self.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    # the checkpoint keeps `run` for the recompute: it must not hold the tensors themselves (only
+    # the checkpoint's own inputs, which offload can move to host and free on the device)
+    template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    del leaves, args, kwargs
+
+    def run(*given):
+        it = iter(given)
+        a, k = tree_unflatten([next(it) if t else x for x, t in zip(template, is_tensor)], spec)
+        return forward(*a, **k)
+
+    return self._ac_checkpoint(run, *tensors)
+
+
+def _checkpoint_module(module: nn.Module, fn: Callable) -> None:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if isinstance(module, GradientCheckpointingLayer):
+        module.gradient_checkpointing = True
+        module._gradient_checkpointing_func = fn
+    else:
+        module._ac_checkpoint = fn
+        module.forward = types.MethodType(_checkpointed_forward, module)
+
+
+def _sublayer(layer: nn.Module, mode: str) -> nn.Module:
+    for name in _SUBLAYERS[mode]:
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return getattr(layer, name)
+    raise UserError(f"activation_checkpointing.policy: {type(layer).__name__} has no {mode} sublayer named "
+                    f"{' / '.join(_SUBLAYERS[mode])}; use policy 'modules' with module-path patterns")
+
+
+def _pattern(text: str) -> re.Pattern:
+    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in text.strip().split("*")) + "$")
+
+
+def _match_modules(model: nn.Module, patterns) -> list[str]:
+    names = [n for n, _ in model.named_modules() if n]
+    hits = []
+    for text in patterns:
+        rx = _pattern(text)
+        found = [n for n in names if rx.match(n)]
+        if not found:
+            examples = ", ".join(n for n in names if re.search(r"\.0\.[^.]+$", n))[:160]
+            raise UserError(f"activation_checkpointing.modules: '{text}' matches no module of "
+                            f"{type(model).__name__} ('*' is one path part; e.g. {examples})")
+        hits += [n for n in found if n not in hits]
+    return hits
+
+
+def remove_plan(model: nn.Module) -> None:
+    """Undo `apply_plan` (no layer or module recomputed)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.gradient_checkpointing = False
+            module.__dict__.pop("_gradient_checkpointing_func", None)
+        if module.__dict__.pop("_ac_checkpoint", None) is not None:
+            module.__dict__.pop("forward", None)
+    model.__dict__.pop("ac_offloader", None)
+
+
+def _stateful_warnings(model: nn.Module, units: list[nn.Module]) -> list[str]:
+    """BatchNorm-like modules update running statistics in every forward, recomputes included."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = {}
+    for unit in units:
+        for m in unit.modules():
+            if getattr(m, "track_running_stats", False) and m.training:
+                found[names[id(m)]] = type(m).__name__
+    return [f"{n} ({kind}) updates running statistics in its forward; in a recomputed region every recompute "
+            "updates them again" for n, kind in found.items()]
+
+
+def apply_plan(model: nn.Module, plan: ACPlan) -> list[str]:
+    """Install `plan` on a causal LM (or directly on its decoder-layer list), replacing any
+    earlier plan. Returns (and emits as RuntimeWarning) warnings about stateful modules."""
+    from memtrain.model.build import decoder_layers
+
+    _, layers = decoder_layers(model)
+    if len(layers) != len(plan.layers):
+        raise ValueError(f"plan has {len(plan.layers)} layers, the model {len(layers)}")
+    remove_plan(model)
+    # memtrain's cpu_checkpointing: one offloader for the whole model (it orders the prefetches);
+    # kept as `model.ac_offloader` for inspection
+    offloader = model.ac_offloader = ActivationOffloader() if plan.memtrain_offload else None
+    units = []
+    for i, (layer, mode) in enumerate(zip(layers, plan.layers)):
+        if mode in (FULL, OP):
+            units.append(layer)
+        elif mode in (ATTN, MLP):
+            units.append(_sublayer(layer, mode))
+        if mode != KEEP:
+            _checkpoint_module(units[-1], checkpoint_function(plan, i, offloader))
+    for start, stop in plan.segments:
+        segment = _Segment(list(layers[start:stop]), checkpoint_function(plan, start, offloader))
+        layers[start]._gradient_checkpointing_func = segment.head
+        for layer in layers[start + 1:stop]:
+            layer._gradient_checkpointing_func = segment.follower
+    named = dict(model.named_modules())
+    taken = {n for n, m in named.items() if any(m is u for u in units)}
+    warnings, matched = [], []
+    for name in _match_modules(model, plan.modules):
+        outer = next((t for t in taken if name.startswith(t + ".") or t.startswith(name + ".")), None)
+        if outer is not None:
+            warnings.append(f"activation_checkpointing.modules: '{name}' overlaps '{outer}', "
+                            "which is already recomputed; skipped")
+            continue
+        taken.add(name)
+        matched.append(name)
+    # each matched module is one offload unit; the last `offload_skip_last` in module order (the
+    # forward's order in a decoder) keep their input on the device
+    order = list(named)
+    matched.sort(key=order.index)
+    offloaded = max(len(matched) - plan.offload_skip_last, 0) if offloader is not None else 0
+    for k, name in enumerate(matched):
+        units.append(named[name])
+        _checkpoint_module(named[name], checkpoint_function(plan, None, offloader, offload=k < offloaded))
+    warnings += _stateful_warnings(model, units)
+    for w in warnings:
+        _warnings.warn(w, RuntimeWarning, stacklevel=2)
+    return warnings

@@ -1,0 +1,1 @@
+"""Commands around runs: plan, ac-profile, sweep, Slurm, report, bench."""

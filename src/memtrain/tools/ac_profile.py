@@ -1,0 +1,252 @@
+"""What each AC policy costs on a recipe's model: one measured training step per policy, on CPU.
+
+`python -m memtrain.tools.ac_profile [--recipe YAML] [--set k=v ...] [--policies a,b,...]`
+(`make ac-profile [RECIPE=...]`) builds the recipe's model in fp32, runs one forward+backward
+per policy on the same random token batch and writes a table (stdout) and a CSV
+(`reports/ac_profile.csv`):
+
+* activation_bytes: bytes saved for the backward and alive at the end of the forward
+  (`memtrain.metrics.ActivationMeter`: saved-tensor hooks, plus checkpoint inputs and
+  op-level saved outputs, which checkpoints hold outside autograd);
+* peak_backward_bytes: the largest live set of saved plus recomputed activation bytes during
+  the backward. Every storage counted in activation_bytes, and every tensor a recompute
+  produces (watched by a dispatch mode entered around each recompute via
+  `memtrain.recompute.observe_recompute`), is tracked through a weak reference to its storage; the
+  live total is sampled when the backward starts and after every recompute op. Between
+  recomputes the backward only frees activations, so these samples contain the peak.
+  Gradients and the backward's own temporaries are not activations and are not counted;
+* flops_total: forward + backward + recompute FLOPs (`torch.utils.flop_counter.FlopCounterMode`,
+  with `memtrain.model.flops`' formulas for CPU flash attention and MoE `aten._grouped_mm` added);
+* recompute_overhead: flops_total / flops_total(none) - 1;
+* max_grad_rel_err: max over parameters of ||g - g_none|| / ||g_none|| (fp32, same seed).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, build_plan
+from memtrain.recompute.hooks import apply_plan, observe_recompute
+from memtrain.config.ds_config import ac_section
+from memtrain.model.flops import flop_counter
+from memtrain.errors import UserError, cli_entry
+from memtrain.memory.tracker import ActivationMeter
+
+DEFAULT_OUT = "reports/ac_profile.csv"
+CPU_SEQ_LEN = 128  # default profile shape: min(recipe seq_len, this) x batch 1
+COLUMNS = ("policy", "layers", "activation_bytes", "peak_backward_bytes", "flops_total", "recompute_overhead",
+           "max_grad_rel_err")
+
+
+@dataclass
+class StepCost:
+    """One measured training step. `grads` are the parameters' own .grad tensors (the next
+    `measure_step` sets .grad to None first, so earlier results stay valid)."""
+
+    activation_bytes: int
+    peak_backward_bytes: int
+    flops_total: int
+    loss: float
+    grads: dict[str, torch.Tensor]
+
+
+class _LiveSet(ActivationMeter):
+    """ActivationMeter that also keeps weak references to the counted storages, adds what
+    recomputes produce, and samples the live total (see the module docstring)."""
+
+    def __init__(self, skip: set) -> None:
+        super().__init__()
+        self.skip = skip  # parameter storages: views of weights are not activations
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def track(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        if s.nbytes() and s._cdata not in self.skip:
+            self.live[s._cdata] = (StorageWeakRef(s), s.nbytes())
+
+    def sample(self) -> None:
+        total = 0
+        for key, (ref, nbytes) in list(self.live.items()):
+            if ref.expired():
+                del self.live[key]
+            else:
+                total += nbytes
+        self.peak = max(self.peak, total)
+
+    def _alive_bytes(self) -> int:
+        for ref in self._refs:
+            t = ref()
+            if t is not None:
+                self.track(t)
+        return super()._alive_bytes()
+
+
+class _RecomputeWatch(TorchDispatchMode):
+    def __init__(self, live: _LiveSet) -> None:
+        super().__init__()
+        self.live = live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.live.track(t)
+        self.live.sample()
+        return out
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids, labels=input_ids).loss
+
+
+def measure_step(model: nn.Module, plan: ACPlan, input_ids: torch.Tensor, *, seed: int = 0,
+                 loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = causal_lm_loss) -> StepCost:
+    """Install `plan` on `model` (a causal LM or its decoder-layer list) and measure one
+    forward+backward from `seed` (same seed, same dropout masks)."""
+    apply_plan(model, plan)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    live = _LiveSet({p.untyped_storage()._cdata for p in model.parameters()})
+    torch.manual_seed(seed)
+    with flop_counter() as flops:
+        with live.measure():
+            loss = loss_fn(model, input_ids)
+        live.sample()
+        with observe_recompute(lambda: _RecomputeWatch(live)):
+            loss.backward()
+    live.sample()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return StepCost(live.bytes, live.peak, flops.get_total_flops(), loss.item(), grads)
+
+
+def max_rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    if grads.keys() != ref.keys():
+        return math.inf
+    worst = 0.0
+    for name, g in grads.items():
+        denom = ref[name].norm().item()
+        diff = (g - ref[name]).norm().item()
+        worst = max(worst, diff / denom if denom else diff)
+    return worst
+
+
+# --------------------------------------------------------------------------- CLI
+
+def _plans(policies: Optional[list[str]], section, num_layers: int) -> list[ACPlan]:
+    """'none' first; by default a representative set, including torchtitan's op-level variant."""
+    half = max(1, num_layers // 2)
+    specs = [(p, section) for p in ["none", *(policies or ["full", "every:2", f"first:{half}", "sqrt",
+                                                            "selective:attn", "selective:mlp", "op"])]]
+    if policies is None:
+        specs += [("op", section.model_copy(update={"op_save": ["matmul/2", "attention"]})),
+                  (f"op+first:{half}", section)]
+    plans = [build_plan(p, "torch", ac_section({}), num_layers, section=s) for p, s in specs if p]
+    return list({label(p): p for p in plans}.values())  # each once
+
+
+def label(plan: ACPlan) -> str:
+    """The policy, with op-level's save list when it is not the default."""
+    custom = OP in plan.layers and plan.op_save != DEFAULT_OP_SAVE
+    return plan.policy + (f" [{','.join(plan.op_save)}]" if custom else "")
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["policy", "layers", "act MiB", "peak bwd MiB", "GFLOP", "recompute", "max grad err"]
+    body = [[r["policy"], r["layers"], _fmt_bytes(r["activation_bytes"]), _fmt_bytes(r["peak_backward_bytes"]),
+             f"{r['flops_total'] / 1e9:,.2f}", f"{r['recompute_overhead']:+.1%}", f"{r['max_grad_rel_err']:.1e}"]
+            for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def profile(recipe, policies: Optional[list[str]], seq_len: int, batch: int) -> tuple[list[dict], str]:
+    """Measure each policy (after 'none', the reference) on the recipe's model; rows + header line."""
+    from tqdm import tqdm
+
+    from memtrain.model.data import build_tokenizer
+    from memtrain.model.build import build_config, build_model, decoder_layers
+
+    config = build_config(recipe.model, build_tokenizer(recipe.data.tokenizer).vocab_size, seq_len)
+    section = recipe.activation_checkpointing
+    L = config.num_hidden_layers
+    plans = _plans(policies, section, L)
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe.model.model_copy(update={"dtype": "float32"}), config)
+    decoder_layers(model)  # a model without a decoder-layer list fails here, with one line
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    h = config.hidden_size
+    header = (f"recipe {recipe.name}: {config.model_type}, {L} layers, hidden {h}, vocab {config.vocab_size}; "
+              f"one step at batch {batch} x seq {seq_len}, fp32, CPU; one layer's hidden state "
+              f"4*s*b*h = {_fmt_bytes(4 * seq_len * batch * h)} MiB (2*s*b*h in 16-bit)")
+    rows, ref, ref_grads = [], None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        for plan in tqdm(plans, desc="ac-profile", unit="policy", file=sys.stderr, dynamic_ncols=True):
+            cost = measure_step(model, plan, ids, seed=recipe.train.seed)
+            if ref is None:  # the reference gradients wait on disk (memory-mapped): a 1B model's are 4 GiB
+                torch.save(cost.grads, Path(tmp) / "ref.pt")
+                ref, ref_grads = cost, torch.load(Path(tmp) / "ref.pt", mmap=True)
+                cost.grads = ref_grads
+            rows.append({"policy": label(plan), "layers": plan.layer_marks().replace(" ", ""),
+                         "activation_bytes": cost.activation_bytes, "peak_backward_bytes": cost.peak_backward_bytes,
+                         "flops_total": cost.flops_total,
+                         "recompute_overhead": cost.flops_total / ref.flops_total - 1,
+                         "max_grad_rel_err": max_rel_err(cost.grads, ref_grads)})
+            del cost
+    return rows, header
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    from memtrain.config.recipe import load_recipe
+
+    p = argparse.ArgumentParser(prog="python -m memtrain.tools.ac_profile",
+                                description="Measure each AC policy's activation memory and recompute cost on CPU.")
+    p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a recipe key (e.g. activation_checkpointing.op_save=[matmul/2,attention])")
+    p.add_argument("--policies", help="comma-separated policies (default: a representative set)")
+    p.add_argument("--seq-len", type=int, help=f"sequence length (default: min(recipe, {CPU_SEQ_LEN}))")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default: 1)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"CSV path (default: {DEFAULT_OUT})")
+    args = p.parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    seq_len = args.seq_len or min(recipe.data.seq_len, CPU_SEQ_LEN)
+    if seq_len <= 0 or args.batch <= 0:
+        raise UserError("--seq-len/--batch: must be positive")
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else None
+    rows, header = profile(recipe, policies, seq_len, args.batch)
+    print(header)
+    print(format_table(rows))
+    write_csv(rows, Path(args.out))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

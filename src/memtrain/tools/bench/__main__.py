@@ -1,0 +1,281 @@
+"""`python -m memtrain.tools.bench` (`make bench`, `make gpu-check`): set-ups side by side, each in its own process.
+
+    python -m memtrain.tools.bench [--recipe YAML] [--setups a,b,...] [--steps N] [--no-search] [--out DIR]
+    python -m memtrain.tools.bench --gpu-check
+
+Every `memtrain:`/`deepspeed:` set-up is the trainer itself (`src/train.py`, the code a training
+run executes) run with bench settings: random tokens, `--steps` measured steps after the
+recipe's `train.metric_warmup_steps`, no model checkpoints. Its figures are the run's
+`summary.json`: medians over log intervals timed with CUDA events, `max_memory_allocated`, the
+planner's prediction. `torch:` set-ups are the plain-PyTorch baseline (`plain.py`). With several
+GPUs the trainer runs on all of them through the deepspeed launcher; tokens/s is per GPU.
+
+`--gpu-check`: the fixed acceptance run on `recipes/llama-1b.yaml` (30 steps per set-up: none,
+full, full + offload, op, auto with half of none's peak as budget, plain PyTorch) written to
+`reports/gpu/<device>.md`. Without a GPU it says so in one line and exits 0; `make bench`
+without a GPU runs a tiny CPU smoke pass of the same code instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from memtrain.config.ds_config import load_ds_config
+from memtrain.errors import UserError, cli_entry
+from memtrain.config.recipe import load_recipe
+from memtrain.tools.sweep_points import free_port
+from memtrain.tools.bench.setups import DEFAULT_SETUPS, HELP, parse_setup
+from memtrain.tools.bench.table import gpu_check_markdown, gpu_check_targets, markdown, targets
+
+DEFAULT_RECIPE = "recipes/llama-1b.yaml"
+TRAIN_PY = Path(__file__).resolve().parents[3] / "train.py"
+SMOKE = ["model.config.num_hidden_layers=2", "data.seq_len=64", "train.micro_batch_size=2"]
+SMOKE_STEPS, SMOKE_WARMUP = 2, 1
+SEARCH_LIMIT = 256  # micro-batches beyond this are not probed
+GPU_CHECK_SETUPS = ("memtrain:none", "memtrain:full", "memtrain:full@deepspeed", "memtrain:full+offload",
+                    "memtrain:op", "memtrain:auto", "torch:noac")
+GPU_CHECK_STEPS, GPU_CHECK_WARMUP = 20, 10  # 30 steps each
+# DeepSpeed 0.19.8's own cpu_checkpointing loses the checkpoint on a CPU accelerator: its copy "to CPU"
+# returns the same tensor, whose storage it then empties. It can only run on a GPU.
+GPU_ONLY = {"deepspeed:cpu-ckpt": "DeepSpeed's own cpu_checkpointing runs on a GPU only (on a CPU accelerator "
+                                  "its copy to host is the tensor itself, which it then empties)"}
+
+
+def double_until_oom(fits: Callable[[int], bool], start: int, limit: int = SEARCH_LIMIT) -> dict:
+    """Largest micro-batch start*2^k (<= limit) that fits, and the first that did not.
+    `start` is known to fit; one probe per doubling."""
+    best, mb = start, start * 2
+    while mb <= limit:
+        if not fits(mb):
+            return {"fits": best, "oom_at": mb}
+        best, mb = mb, mb * 2
+    return {"fits": best, "oom_at": None}
+
+
+class Runner:
+    """Runs one set-up at one micro-batch in a fresh process and returns its measurements."""
+
+    def __init__(self, recipe: Optional[str], overrides: list[str], ds_path: str, steps: int, warmup: int,
+                 ngpus: int):
+        self.recipe, self.overrides, self.ds_path = recipe, overrides, ds_path
+        self.micro_batch = load_recipe(recipe, overrides).train.micro_batch_size
+        self.steps, self.warmup, self.ngpus = steps, warmup, ngpus
+        self.tmp = Path(tempfile.mkdtemp(prefix="memtrain-bench-"))
+        self.calls = 0
+        self.logs: dict[str, str] = {}  # set-up -> its last process's command and output
+        src = str(TRAIN_PY.parent)  # subprocesses import memtrain from this checkout
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
+                    "PYTHONWARNINGS": "ignore"}
+
+    def _json_for(self, setup) -> Path:
+        """The bench JSON with the set-up's cpu_checkpointing; the rest as the user wrote it."""
+        cfg = load_ds_config(self.ds_path)
+        cfg.setdefault("activation_checkpointing", {})["cpu_checkpointing"] = setup.cpu_checkpointing
+        path = self.tmp / f"ds-{'offload' if setup.cpu_checkpointing else 'kept'}.json"
+        path.write_text(json.dumps(cfg, indent=2))
+        return path
+
+    def __call__(self, name: str, micro_batch: Optional[int] = None, steps: Optional[int] = None,
+                 warmup: Optional[int] = None, extra: tuple[str, ...] = ()) -> dict:
+        setup = parse_setup(name)
+        self.calls += 1
+        steps = steps or self.steps
+        warmup = self.warmup if warmup is None else warmup
+        overrides = [*self.overrides, *extra] + ([f"train.micro_batch_size={micro_batch}"] if micro_batch else [])
+        recipe_args = ["--recipe", self.recipe] if self.recipe else []
+        out = self.tmp / f"{self.calls}"
+        if setup.trainer:
+            overrides += [f"activation_checkpointing.policy={setup.ac}",
+                          f"activation_checkpointing.cpu_checkpointing_impl={setup.impl}",
+                          f"train.max_steps={warmup + steps}", f"train.metric_warmup_steps={warmup}",
+                          f"train.log_every={max(1, steps // 4)}", "data.random_tokens=true",
+                          "train.save_checkpoints=false"]
+            if setup.backend != "auto":
+                overrides.append(f"activation_checkpointing.backend={setup.backend}")
+            if self.ngpus > 1:
+                launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(self.ngpus),
+                            "--master_port", str(free_port())]
+            else:
+                launcher = [sys.executable]
+            cmd = [*launcher, str(TRAIN_PY), "--deepspeed", str(self._json_for(setup)), *recipe_args,
+                   "--run-dir", str(out)]
+        else:
+            cmd = [sys.executable, "-m", "memtrain.tools.bench.plain", "--setup", name, *recipe_args,
+                   "--steps", str(steps), "--warmup", str(warmup), "--out", str(out) + ".json"]
+        for item in overrides:
+            cmd += ["--set", item]
+        started = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=self.env)
+        self.logs[name] = f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        result = {"setup": name, "label": setup.label, "micro_batch": micro_batch or self.micro_batch,
+                  "wall_s": time.time() - started}
+        if setup.trainer:
+            result.update(_from_summary(out / "summary.json"))
+        elif Path(str(out) + ".json").is_file():
+            result.update(json.loads(Path(str(out) + ".json").read_text()))
+        if "tokens_per_s" in result or result.get("oom"):
+            return result
+        text = proc.stderr + proc.stdout
+        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
+        result.update(oom="out of memory" in text.lower(), error=" / ".join(tail) or f"exit {proc.returncode}")
+        return result
+
+
+def _from_summary(path: Path) -> dict:
+    """A trainer run's figures, per GPU, from its summary.json."""
+    if not path.is_file():
+        return {}
+    summary = json.loads(path.read_text())
+    if summary.get("status") == "oom":
+        return {"oom": True}
+    if summary.get("status") != "completed":
+        return {"error": summary.get("reason") or f"status {summary.get('status')}"}
+    m, world = summary["metrics"], summary.get("world_size", 1)
+    plan = summary.get("ac_plan") or {}
+    return {
+        "tokens_per_s": m["throughput/tokens_per_s"] / world,
+        "step_s": m.get("time/step_s"),
+        "peak_gib": summary.get("peak_allocated_gib"),
+        "predicted_peak_gib": summary.get("predicted_peak_gib"),
+        "mfu": m.get("throughput/mfu"),
+        "hfu": m.get("throughput/hfu"),
+        "activation_gib": m.get("memory/activation_gib"),
+        "offloaded_gib": m.get("memory/offloaded_activation_gib", 0.0),
+        "world_size": world,
+        "device": summary.get("device"),
+        "plan": "".join({"keep": ".", "full": "R", "attn": "A", "mlp": "M", "op": "O"}.get(x, "?")
+                        for x in plan.get("layers", [])),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m memtrain.tools.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"shape to measure (default: {DEFAULT_RECIPE})")
+    p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated: {HELP}")
+    p.add_argument("--deepspeed", default="ds_configs/zero3_ckpt.json", metavar="JSON",
+                   help="DeepSpeed JSON for the trainer set-ups")
+    p.add_argument("--steps", type=int, default=10, help="measured steps after warm-up (default 10)")
+    p.add_argument("--no-search", action="store_true", help="skip the largest-micro-batch probes")
+    p.add_argument("--gpu-check", action="store_true", help="the fixed GPU acceptance run (see the module doc)")
+    p.add_argument("--out", type=Path, default=None, help="where the table and JSON go "
+                   "(default reports/bench, or reports/gpu with --gpu-check)")
+    return p
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+
+
+def gpu_check(args) -> None:
+    from tqdm import tqdm
+
+    if not torch.cuda.is_available():
+        print("memtrain gpu-check: no CUDA GPU on this machine; nothing measured (run it where a GPU is).", flush=True)
+        return
+    ngpus = torch.cuda.device_count()
+    device = torch.cuda.get_device_name()
+    run = Runner(DEFAULT_RECIPE, [], args.deepspeed, GPU_CHECK_STEPS, GPU_CHECK_WARMUP, ngpus)
+    results = []
+    bar = tqdm(GPU_CHECK_SETUPS, desc="gpu-check", unit="setup")
+    for name in bar:
+        bar.set_postfix(setup=name)
+        extra: tuple[str, ...] = ()
+        if name == "memtrain:auto":
+            none = next((r for r in results if r["setup"] == "memtrain:none" and r.get("peak_gib")), None)
+            if none is None:
+                results.append({"setup": name, "label": "trainer, policy 'auto'", "micro_batch": run.micro_batch,
+                                "error": "no budget: memtrain:none has no measured peak"})
+                continue
+            extra = (f"activation_checkpointing.memory_budget={none['peak_gib'] / 2:.3f}",)
+        result = run(name, extra=extra)
+        if extra:
+            result["label"] += f", budget {extra[0].split('=')[1]} GiB (half of none's peak)"
+        results.append(result)
+        tqdm.write(json.dumps(result))
+    title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) on {ngpus} x {device}"
+    report = "\n".join([f"## {title}", "", gpu_check_markdown(results), "", "Targets (each a ratio measured in this run):",
+                        *gpu_check_targets(results)])
+    print(report, flush=True)
+    out = args.out or Path("reports/gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{_slug(device)}.md").write_text(report + "\n")
+    (out / f"{_slug(device)}.json").write_text(json.dumps({"title": title, "results": results}, indent=2))
+    failed = [r["setup"] for r in results if "tokens_per_s" not in r and not r.get("oom")]
+    if failed:  # what those processes printed, to see why
+        (out / "failed.log").write_text("\n\n".join(run.logs.get(name, "") for name in failed))
+    print(f"written: {out / (_slug(device) + '.md')}" + (f"; failed set-ups' output: {out / 'failed.log'}"
+                                                         if failed else ""), flush=True)
+    shutil.rmtree(run.tmp, ignore_errors=True)
+
+
+@cli_entry
+def main(argv=None) -> None:
+    from tqdm import tqdm
+
+    args = parser().parse_args(argv)
+    if args.gpu_check:
+        return gpu_check(args)
+    names = [n.strip() for n in args.setups.split(",") if n.strip()]
+    for name in names:
+        parse_setup(name)  # fail on a typo before anything runs
+    if args.steps < 1:
+        raise UserError("--steps: must be at least 1")
+    recipe = load_recipe(args.recipe)  # checked on CPU too, where the smoke pass uses the tiny recipe
+    gpu = torch.cuda.is_available()
+    if gpu:
+        run = Runner(args.recipe, [], args.deepspeed, args.steps, recipe.train.metric_warmup_steps,
+                     torch.cuda.device_count())
+        title = f"{recipe.name} on {torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+        stem = recipe.name
+    else:
+        print("memtrain bench: no CUDA GPU on this machine, so nothing is measured on a GPU. Running a tiny CPU "
+              "smoke pass of the same code path instead (embedded tiny recipe, 2 layers, seq 64, micro-batch 2); "
+              "its numbers are CPU numbers, not GPU measurements.", flush=True)
+        run = Runner(None, SMOKE, args.deepspeed, SMOKE_STEPS, SMOKE_WARMUP, 1)
+        title, stem = "CPU smoke run (not GPU measurements)", "cpu-smoke"
+
+    results, searches = [], {}
+    for name in tqdm(names, desc="bench", unit="setup"):
+        if not gpu and name in GPU_ONLY:
+            results.append({"setup": name, "label": parse_setup(name).label, "micro_batch": run.micro_batch,
+                            "skipped": GPU_ONLY[name]})
+        else:
+            results.append(run(name))
+    if gpu and not args.no_search:
+        for r in tqdm(results, desc="largest micro-batch", unit="setup"):
+            if r.get("oom") or "tokens_per_s" not in r:
+                continue
+            searches[r["setup"]] = double_until_oom(
+                lambda mb, name=r["setup"]: "tokens_per_s" in run(name, mb, steps=2, warmup=1), r["micro_batch"])
+
+    table = markdown(results, searches)
+    goals = targets(results) if gpu else ["- not evaluated: no GPU in this run"]
+    notes = [f"- {r['setup']}: {r.get('error') or 'skipped: ' + r['skipped']}"
+             for r in results if r.get("error") or r.get("skipped")]
+    report = "\n".join([f"## memtrain bench: {title}", "", table, "", "Targets:", *goals]
+                       + (["", "Not measured:", *notes] if notes else []))
+    print(report, flush=True)
+    out = args.out or Path("reports/bench")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(report + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"title": title, "results": results, "searches": searches},
+                                                 indent=2))
+    print(f"written: {out / (stem + '.md')}, {out / (stem + '.json')}", flush=True)
+    shutil.rmtree(run.tmp, ignore_errors=True)
+    if any(r.get("error") and not r.get("oom") for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The set-ups the benchmark compares, named on the command line.
+
+* `torch:noac`: plain PyTorch, no activation checkpointing (the baseline every ratio uses);
+* `torch:hf-ac`: plain PyTorch with transformers' `gradient_checkpointing_enable(use_reentrant=False)`;
+* `torch:sac`: plain PyTorch with torch's op-level selective checkpoint per layer (saves matmul
+  and attention outputs, recomputes the rest: memtrain's `op` policy on the torch backend);
+* `deepspeed:cpu-ckpt`: ZeRO-3, `deepspeed.checkpointing.checkpoint` per layer with DeepSpeed's own
+  `cpu_checkpointing` (the JSON switch with `cpu_checkpointing_impl: deepspeed`);
+* `memtrain:<policy>[+offload][@torch|@deepspeed]`: the trainer (`src/train.py`, the same code a
+  training run executes) with a memtrain policy (`none`, `full`, `every:2`, `op`, `auto`, ...);
+  `+offload` turns on the JSON's `cpu_checkpointing`, which runs memtrain's offload; `@` forces
+  the checkpoint backend (default: the recipe's, normally `auto`).
+
+Plain PyTorch set-ups (`bench/plain.py`) keep float32 master weights under bf16 autocast (when
+the GPU has bf16) with fused AdamW; the others run the trainer on the DeepSpeed JSON
+(`ds_configs/zero3_ckpt.json` unless `--deepspeed` names another), whose `"auto"` bf16 turns
+on where supported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memtrain.errors import UserError
+
+DEFAULT_SETUPS = ("torch:noac", "torch:hf-ac", "torch:sac", "deepspeed:cpu-ckpt", "memtrain:full",
+                  "memtrain:full+offload")
+BASELINE = "torch:noac"
+_PLAIN = {"noac": "no activation checkpointing", "hf-ac": "transformers gradient_checkpointing_enable",
+          "sac": "torch selective AC (save matmul + attention)"}
+HELP = "torch:noac | torch:hf-ac | torch:sac | deepspeed:cpu-ckpt | memtrain:<policy>[+offload][@torch|@deepspeed]"
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    trainer: bool        # the trainer (src/train.py), else the plain-PyTorch baseline
+    ac: str              # plain: noac | hf-ac | sac; ZeRO-3: a memtrain policy
+    backend: str = "auto"
+    cpu_checkpointing: bool = False
+    impl: str = "memtrain"  # who offloads when cpu_checkpointing is on
+
+    @property
+    def label(self) -> str:
+        if not self.trainer:
+            return f"PyTorch, {_PLAIN[self.ac]}"
+        if self.impl == "deepspeed":
+            return "ZeRO-3, DeepSpeed checkpoint + DeepSpeed's own cpu_checkpointing"
+        offload = ", memtrain offload" if self.cpu_checkpointing else ""
+        backend = "" if self.backend == "auto" else f" ({self.backend} checkpoint)"
+        return f"trainer, policy '{self.ac}'{backend}{offload}"
+
+
+def parse_setup(name: str) -> Setup:
+    kind, sep, rest = name.strip().partition(":")
+    if kind == "torch" and rest in _PLAIN:
+        return Setup(name, trainer=False, ac=rest, backend="torch")
+    if kind == "deepspeed" and rest == "cpu-ckpt":
+        return Setup(name, trainer=True, ac="full", cpu_checkpointing=True, impl="deepspeed")
+    if kind == "memtrain" and rest:
+        policy, at, backend = rest.rpartition("@") if "@" in rest else (rest, "", "auto")
+        offload = policy.endswith("+offload")
+        policy = policy.removesuffix("+offload")
+        if policy and backend in ("auto", "torch", "deepspeed"):
+            return Setup(name, trainer=True, ac=policy, backend=backend, cpu_checkpointing=offload)
+    raise UserError(f"--setups: unknown set-up '{name}'; allowed: {HELP}")

@@ -1,0 +1,261 @@
+"""`python -m memtrain.tools.plan` (`make plan RECIPE=... [DS=...] [BUDGET=40GiB] [NGPUS=...]`): the
+predicted peak memory per device of a recipe, by component and per AC policy, before any run.
+
+Activations are measured on fake tensors (nothing is allocated), so every shipped recipe plans
+in seconds on a CPU. With a budget it adds, per policy, the largest micro-batch and the longest
+sequence that fit, and the plan `policy: auto` would choose.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from dataclasses import asdict, replace
+from typing import Optional
+
+from memtrain.recompute.policy import build_plan, resolve_backend
+from memtrain.errors import UserError, cli_entry
+from memtrain.units import GIB, parse_size
+from memtrain.memory.estimate import (MODULES, OFFLOAD, ActivationProfile, choice_mode, make_target, measure_rates, model_and_config, model_states, predict, predict_plan, profile_activations)
+from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, predicted_plan, smallest_peak, what_fits)
+
+POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
+             "full" + OFFLOAD: "full + cpu_checkpointing"}
+
+
+def profile_at_seq(p1: ActivationProfile, p2: ActivationProfile, seq_len: int) -> ActivationProfile:
+    """Every activation size and FLOP count is a*S + b*S^2 in the sequence length S (attention
+    scores and FLOPs carry S^2, the rest S): fitted through two measured lengths."""
+    s1, s2 = p1.target.seq_len, p2.target.seq_len
+
+    def fit(v1, v2):
+        b = (v2 / s2 - v1 / s1) / (s2 - s1)
+        a = v1 / s1 - b * s1
+        v = a * seq_len + b * seq_len * seq_len
+        return int(round(v)) if isinstance(v1, int) else v
+
+    def fields(x1, x2):
+        return {k: fit(v1, getattr(x2, k)) for k, v1 in asdict(x1).items() if isinstance(v1, (int, float))}
+
+    layers = {m: replace(c, **fields(c, p2.layers[m])) for m, c in p1.layers.items()}
+    scalars = {k: fit(getattr(p1, k), getattr(p2, k)) for k in
+               ("outside_saved", "base", "head_excess", "head_net", "tail_excess", "largest_block")}
+    return replace(p1, target=replace(p1.target, seq_len=seq_len), layers=layers, **scalars)
+
+
+def _fits(profile: ActivationProfile, states, choices, budget: int, uniform: Optional[str]) -> bool:
+    if uniform is not None:
+        return predict(profile, states, (uniform,) * profile.num_layers).peak <= budget
+    return feasible(profile, activation_limit(profile, states, choices, budget), choices, states.backward) is not None
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with ok(n) (ok monotone), or 0."""
+    if not ok(lo):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str], budget: Optional[int]) -> dict:
+    from memtrain.config.ds_config import ac_section, zero_stage
+
+    target = make_target(recipe, ds_config, world_size, device)
+    config = model_and_config(recipe)
+    profile = profile_activations(config, target)
+    states = model_states(profile, ds_config, target)
+    rates = measure_rates(target.dtype)
+    ds_ac = ac_section(ds_config)
+    backend = resolve_backend(recipe.activation_checkpointing.backend, ds_ac)
+    offload = target.device == "cuda" and rates.host_bytes_per_s > 0 and ds_ac["cpu_checkpointing"]  # as auto_plan
+    choices = available_choices(profile, backend, offload)
+    report = {
+        "recipe": recipe.name, "model_type": config.model_type, "num_layers": profile.num_layers,
+        "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": asdict(target),
+        "zero_stage": zero_stage(ds_config), "rates": rates.to_dict(),
+        "rates_note": ("measured on this machine's GPU" if rates.device == target.device == "cuda" else
+                       f"measured on this machine's {rates.device}; the step-time ranking is "
+                       + ("for it" if rates.device == target.device else "not measured on GPU")),
+        "model_states": {**asdict(states), "total": states.total},
+        "policies": {}, "budget": budget,
+        "allocator_margin_note": "placeholder until calibrated on a GPU (memory_model.ALLOCATOR_MARGIN)",
+    }
+    long_profile = None
+    if budget is not None:
+        half = replace(target, seq_len=max(1, target.seq_len // 2))
+        long_profile = (profile_activations(config, half), profile)
+    max_pos = getattr(config, "max_position_embeddings", None) or 1 << 20
+    extra_rows = _extra_rows(recipe, ds_config, config, target, backend, profile.num_layers)
+    for choice in (*choices, *extra_rows, "auto"):
+        segments, notes = (), ()
+        if choice in extra_rows:
+            plan = extra_rows[choice]
+            pred = predict_plan(config, target, ds_config, plan)
+            row_plan, segments, notes = plan_choices_of(config, target, plan), plan.segments, pred.notes
+            uniform = None
+            profile_row = profile_activations(config, target, (*profile.layers, *(
+                choice_mode(c)[0] for c in row_plan if c.startswith(MODULES))))
+        elif choice == "auto":
+            if budget is None:
+                continue
+            result = predicted_plan(profile, states, choices, rates, budget)
+            if result is None:
+                peak, hint = what_fits(profile, ds_config, target, choices, budget)
+                report["auto"] = {"fits": False, "smallest_peak_gib": peak, "would_fit": hint}
+                row_plan = smallest_peak(profile, choices, states.backward)[1]
+            else:
+                report["auto"] = {"fits": True, "layers": list(result.layers), "seconds": result.seconds}
+                row_plan = result.layers
+            uniform = None
+        else:
+            row_plan, uniform = (choice,) * profile.num_layers, choice
+        if choice not in extra_rows:
+            profile_row = profile
+            pred = predict(profile, states, row_plan)
+        # a segment recomputes each of its layers once, as full layers do (the time model has no segments)
+        seconds = sum(choice_seconds(profile_row, rates, c) for c in row_plan) if not segments else None
+        flops = sum(profile_row.layers[choice_mode(c)[0]].recompute_flops for c in row_plan)
+        row = {"policy": POLICY_OF.get(choice, choice), "saved_per_layer": pred.saved_per_layer,
+               "saved_activations": pred.saved_activations, "recompute_working_set": pred.recompute_working_set,
+               "logits_and_loss": pred.logits_and_loss, "activation_peak": pred.activation_peak,
+               "prefetched": pred.prefetched, "side_stream": pred.side_stream,
+               "reduce_buffers": pred.reduce_buffers, "margin": pred.margin, "peak": pred.peak,
+               "phase": pred.phase, "recompute_flops": flops, "extra_seconds": seconds, "notes": list(notes)}
+        if budget is not None and choice in extra_rows:
+            row["fits"] = pred.peak <= budget
+            row["max_micro_batch"] = row["max_seq_len"] = None
+            report["policies"][choice] = row
+            continue
+        if budget is not None:
+            row["fits"] = pred.peak <= budget if uniform else report["auto"]["fits"]
+            row["max_micro_batch"] = _largest(lambda mb: _fits(profile.scaled(mb), states, choices, budget, uniform),
+                                              1, 4096)
+            row["max_seq_len"] = _largest(lambda s: _fits(profile_at_seq(*long_profile, s), states, choices,
+                                                          budget, uniform), 1, max_pos)
+        report["policies"][choice] = row
+    return report
+
+
+def _extra_rows(recipe, ds_config: dict, config, target, backend: str, num_layers: int) -> dict:
+    """Rows beside the uniform per-layer modes: sqrt segments, and the recipe's own policy where
+    it is none of the rows (modules patterns, every:K, first:N, ...)."""
+    from memtrain.config.ds_config import ac_section
+
+    section = recipe.activation_checkpointing
+    ds_ac = {**ac_section(ds_config), "partition_activations": False}
+    rows = {"sqrt": build_plan("sqrt", backend, ds_ac, num_layers, section=None)}
+    policy = section.policy
+    if policy not in ("auto", "none", "full", "sqrt", "op", "selective:attn", "selective:mlp"):
+        try:
+            rows[policy] = build_plan(policy, backend, ds_ac, num_layers, section=section)
+        except UserError:  # the run's own check says why; the table goes on without it
+            pass
+    return rows
+
+
+def plan_choices_of(config, target, plan) -> tuple[str, ...]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memtrain.memory.estimate import _fake_model, plan_choices
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return plan_choices(plan, _fake_model(config, 1, target), config.num_hidden_layers)[0]
+
+
+def format_report(r: dict) -> str:
+    t = r["target"]
+    ms = r["model_states"]
+    g = lambda b: f"{b / GIB:.3f}"  # noqa: E731
+    lines = [
+        f"memtrain plan: recipe {r['recipe']} ({r['model_type']}, {r['num_layers']} layers, hidden "
+        f"{r['hidden_size']}, {r['num_params'] / 1e9:.3f} B params); micro-batch {t['micro_batch_size']} x seq "
+        f"{t['seq_len']}, {t['dtype']} on {t['device']}, {t['world_size']} device(s), ZeRO stage {r['zero_stage']}",
+        "activations measured on fake tensors, one decoder layer per mode, scaled by the layer count; "
+        f"rates {r['rates_note']}",
+        "",
+        f"model states per device: {g(ms['total'])} GiB = parameters {g(ms['params'])} + gradients {g(ms['grads'])}"
+        f" + optimizer states {g(ms['optimizer'])}"
+        + (f" + ZeRO-3 reduce bucket {g(ms['buckets'])} + persistent parameters {g(ms['persistent'])}"
+           f" + gathered parameters {g(ms['gathered'])}" if r["zero_stage"] == 3 else "")
+        + (f"; in the backward: ZeRO-{r['zero_stage']} reduce buckets {g(ms['reduce_buckets'])}"
+           f" + reduce scratch {g(ms['reduce_scratch'])}" if ms["reduce_buckets"] or ms["reduce_scratch"] else "")
+        + (f"; the update's fp32 gradients {g(ms['update'])} (optimizer step, no activations then)"
+           if ms["update"] else "")
+        + (f"; on host: {g(ms['host'])}" if ms["host"] else ""),
+        "",
+    ]
+    head = ["policy", "saved/layer", "saved", "recompute ws", "logits+loss", "act. peak", "prefetch", "ZeRO bufs",
+            "margin", "peak GiB", "peak at", "recompute TFLOP", "extra ms"]
+    budget = r["budget"]
+    if budget is not None:
+        head += ["fits", "max micro-batch", "max seq"]
+    rows, notes = [], []
+    for choice, p in r["policies"].items():
+        per_layer = "mixed" if len(p["saved_per_layer"]) > 1 else g(next(iter(p["saved_per_layer"].values())))
+        row = [p["policy"], per_layer, g(p["saved_activations"]), g(p["recompute_working_set"]),
+               g(p["logits_and_loss"]), g(p["activation_peak"]), g(p["prefetched"] + p["side_stream"]),
+               g(p["reduce_buffers"]), g(p["margin"]), g(p["peak"]), p["phase"],
+               f"{p['recompute_flops'] / 1e12:.3f}",
+               f"{p['extra_seconds'] * 1e3:.1f}" if p["extra_seconds"] is not None
+               and r["rates"]["device"] == t["device"] else "-"]
+        if budget is not None:
+            row += ["yes" if p["fits"] else "no", str(p["max_micro_batch"] or "-"), str(p["max_seq_len"] or "-")]
+        rows.append(row)
+        notes += [f"{p['policy']}: {n}" for n in p.get("notes", ())]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = lambda cells: "  ".join(str(c).ljust(w) if i in (0, 10) else str(c).rjust(w)  # noqa: E731
+                                  for i, (c, w) in enumerate(zip(cells, widths)))
+    lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows]
+    lines.append("(GiB per device; 'auto' is the per-layer plan of policy: auto; 'sqrt' segments of ~sqrt(L) "
+                 "layers; recompute TFLOP per micro-step, measured; prefetch = offloaded inputs restored ahead "
+                 "(and held by the side-stream copy) at the peak, in act. peak; ZeRO bufs = ZeRO-1/2 reduce buckets "
+                 "at the peak; margin = allocator margin, a placeholder until calibrated on a GPU; extra ms = "
+                 "predicted recompute and exposed offload time per micro-step, shown when the rates were measured "
+                 "on the target device)")
+    lines += [f"note: {n}" for n in notes]
+    if budget is not None:
+        auto = r["auto"]
+        if auto["fits"]:
+            marks = " ".join({"keep": ".", "op": "O", "attn": "A", "mlp": "M", "full": "R"}.get(c, "H")
+                             for c in auto["layers"])
+            lines.append(f"auto under {budget / GIB:g} GiB: {marks}  (. keep, O op, A attn, M mlp, R full, "
+                         "H full + offload)")
+        else:
+            lines.append(f"nothing fits {budget / GIB:g} GiB: smallest achievable peak {auto['smallest_peak_gib']:.3f}"
+                         f" GiB; would fit: {auto['would_fit']}")
+    return "\n".join(lines)
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.config.recipe import load_recipe
+
+    p = argparse.ArgumentParser(prog="python -m memtrain.tools.plan",
+                                description="Predict a recipe's peak memory per device, per AC policy, before a run.")
+    p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
+    p.add_argument("--deepspeed", default="ds_configs/zero3_ckpt.json", metavar="JSON",
+                   help="DeepSpeed config (default: ds_configs/zero3_ckpt.json)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a recipe key")
+    p.add_argument("--budget", help="memory per device, e.g. 40GiB: adds max micro-batch/sequence and the auto plan")
+    p.add_argument("--ngpus", type=int, default=1, help="world size (devices in the job; default 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="device the run will use (default: this machine's); cuda also turns bf16 'auto' on")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+    if args.ngpus < 1:
+        raise UserError(f"--ngpus: must be positive (got {args.ngpus})")
+    budget = parse_size(args.budget, "--budget") if args.budget else None
+    recipe = load_recipe(args.recipe, args.overrides)
+    ds_config = load_ds_config(args.deepspeed)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the result
+        report = plan_report(recipe, ds_config, args.ngpus, args.device, budget)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""`make sweep`: run every point of a grid of recipe overrides and DeepSpeed configs."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+
+from memtrain.errors import UserError, cli_entry
+from memtrain.tools.sweep_points import (DEFAULT_SWEEP, TRAIN_PY, Point, SweepBar, Sweep, finish_point, free_port, is_finished,
+                                         last_step, load_sweep, prepare_point, read_summary, tail)
+
+def run_deepspeed(sweep: Sweep, points: list[Point], progress: SweepBar) -> None:
+    """One `deepspeed` launcher process per point on this machine, one point after another."""
+    deepspeed = Path(sys.executable).with_name("deepspeed")
+    for point in points:
+        args = prepare_point(sweep, point)
+        cmd = [str(deepspeed), "--num_gpus", str(sweep.spec.launcher.gpus_per_run),
+               "--master_port", str(free_port()), str(TRAIN_PY), *args]
+        stderr_log = point.run_dir / "stderr.log"
+        with open(point.run_dir / "stdout.log", "ab") as out, open(stderr_log, "ab") as err:
+            # Its own process group, so that stopping the sweep can stop the point's ranks too.
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True)
+            try:
+                while proc.poll() is None:
+                    step = last_step(tail(stderr_log))
+                    progress.step(point, "starting" if step is None else f"step {step}")
+                    time.sleep(0.5)
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see main)
+                _stop_group(proc)
+                raise
+        finish_point(sweep, point, proc.returncode, progress)
+
+
+def run_slurm(sweep: Sweep, points: list[Point], progress: SweepBar) -> None:
+    """One Slurm job array, one point per array task (slurm/train.sbatch); see memtrain.slurm."""
+    from memtrain.tools.slurm import run_array
+
+    run_array(sweep, points, progress)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+    """SIGTERM a point's process group and wait for all of it: the ranks save at their next step
+    boundary and write a `preempted` summary, so the next invocation resumes the point. (The
+    single-node `deepspeed` runner does not pass signals on; signalling the group reaches the ranks.)"""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the runner
+            os.killpg(proc.pid, 0)  # ProcessLookupError once the whole group has exited
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+Launcher = Callable[[Sweep, list[Point], SweepBar], None]
+LAUNCHERS: dict[str, Launcher] = {"deepspeed": run_deepspeed, "slurm": run_slurm}
+
+
+# --------------------------------------------------------------------------- command line
+
+def run_sweep(sweep: Sweep, force: bool = False, launcher: Optional[str] = None) -> list[Point]:
+    """Run the points not yet finished (all with `force`); return the points that were run."""
+    name = launcher or sweep.spec.launcher.name
+    if name not in LAUNCHERS:
+        raise UserError(f"launcher '{name}' (from {'LAUNCHER=' if launcher else f'{sweep.path}: launcher.name'}) "
+                        f"is unknown; available: {', '.join(LAUNCHERS)}")
+    todo = [p for p in sweep.points if force or not is_finished(sweep, p)]
+    n, done = len(sweep.points), len(sweep.points) - len(todo)
+    print(f"sweep {sweep.name}: {n} point{'s' if n != 1 else ''}, {done} already finished, {len(todo)} to run "
+          f"with the {name} launcher; run directories under {sweep.runs_dir}/", flush=True)
+    if todo:
+        progress = SweepBar(sweep, done)
+        try:
+            LAUNCHERS[name](sweep, todo, progress)
+        finally:
+            progress.close()
+    counts: dict[str, int] = {}
+    for p in sweep.points:
+        status = (read_summary(p.run_dir) or {}).get("status", "not run")
+        counts[status] = counts.get(status, 0) + 1
+    print(f"sweep {sweep.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+          + f"; next: make report SWEEP={sweep.path}", flush=True)
+    return todo
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m memtrain.tools.sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep", nargs="?", default=DEFAULT_SWEEP, help=f"sweep file (default: {DEFAULT_SWEEP})")
+    p.add_argument("--force", action="store_true", help="rerun points that already finished")
+    p.add_argument("--launcher", help=f"override the sweep file's launcher.name ({', '.join(LAUNCHERS)})")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: the point in flight stops cleanly
+    try:
+        run_sweep(load_sweep(args.sweep), args.force, args.launcher)
+    except KeyboardInterrupt:
+        print("sweep interrupted; run it again to continue", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

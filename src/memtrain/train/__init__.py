@@ -1,0 +1,1 @@
+"""A run: preflight, the step loop, model checkpoints, metrics, faults."""

@@ -1,0 +1,94 @@
+"""Run faults (NaN/inf loss, out of memory): one clear line, and summary.json says the same.
+
+The sweep runner reads summary.json's `status` ("failed" | "oom") and `reason`.
+"""
+from __future__ import annotations
+
+import json
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from memtrain.train import checkpoint
+from memtrain.units import GIB
+
+
+@dataclass
+class RunPosition:
+    """Where the run is, for reporting a fault that escapes the training loop."""
+
+    world: int = 1
+    rank: int = 0
+    run_dir: Optional[Path] = None
+    step: int = 0  # completed steps
+    bar: Any = None  # rank 0's progress bar, closed before a fault is reported
+
+
+def last_checkpoint(run_dir: Optional[Path]) -> Optional[Path]:
+    return checkpoint.latest_path(run_dir / "checkpoints") if run_dir else None
+
+
+def nonfinite_loss_message(loss: float, step: int, max_steps: int, run_dir: Path, train) -> str:
+    """Loss went NaN/inf at `step` (1-based): say where the last good checkpoint is, and what to try."""
+    good = last_checkpoint(run_dir)
+    kept = (f"last good checkpoint: {good} (kept; continue from it with --resume --run-dir {run_dir})" if good
+            else f"no checkpoint was saved before it (train.save_interval={train.save_interval})")
+    return (f"loss is {loss} at step {step} of {max_steps}; {kept}; hint: lower train.lr (now {train.lr:g}) "
+            f"or raise train.warmup_steps (now {train.warmup_steps}), keep train.grad_clip > 0 "
+            f"(now {train.grad_clip:g}), and prefer bf16 to fp16")
+
+
+def is_oom(e: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator failing (RuntimeError "can't allocate memory")."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text)
+
+
+def _memory() -> tuple[str, int]:
+    """('peak ... of ...', total bytes) for the device that ran out: the GPU, or host RAM on CPU."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return f"peak {peak / GIB:.2f} GiB allocated of {total / GIB:.2f} GiB on {torch.cuda.get_device_name()}", total
+    import psutil
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    total = psutil.virtual_memory().total
+    return f"peak host RSS {peak / GIB:.2f} GiB of {total / GIB:.2f} GiB", total
+
+
+def _suggestion(recipe, ds_config: dict, world: int, budget_bytes: int) -> str:
+    """The planner's prediction of what would fit; the usual levers if it has none."""
+    try:
+        from memtrain.memory.planner import suggest_fit
+
+        return f"planner: {suggest_fit(recipe, ds_config, world, budget_bytes)}"
+    except Exception:  # a failing suggestion must not hide the OOM report
+        pass
+    t, ac = recipe.train, recipe.activation_checkpointing
+    return (f"try activation_checkpointing.policy=full (now '{ac.policy}'), a smaller train.micro_batch_size "
+            f"(now {t.micro_batch_size}) with more train.grad_accum_steps (now {t.grad_accum_steps}), "
+            "or CPU offload (ds_configs/zero3_offload.json)")
+
+
+def oom_message(progress: RunPosition, recipe, ds_config: dict) -> str:
+    where = f"step {progress.step + 1}" if progress.run_dir else "start-up (building the model or engine)"
+    memory, total = _memory()
+    return (f"out of memory at {where} on rank {progress.rank}: {memory}; "
+            f"{_suggestion(recipe, ds_config, progress.world, total)}")
+
+
+def write_failure(progress: RunPosition, status: str, reason: str) -> None:
+    """summary.json for a run that stopped on a fault (atomic: a reader never sees half of it)."""
+    if progress.run_dir is None or not progress.run_dir.is_dir():
+        return
+    good = last_checkpoint(progress.run_dir)
+    summary = {"status": status, "reason": reason, "steps": progress.step,
+               "last_checkpoint": str(good) if good else None, "world_size": progress.world,
+               "run_dir": str(progress.run_dir), "tensorboard": str(progress.run_dir / "tb")}
+    checkpoint.atomic_write_text(progress.run_dir / "summary.json", json.dumps(summary, indent=2))

@@ -1,0 +1,399 @@
+"""The training loop: DeepSpeed engine, per-layer AC plan, metrics to DeepSpeed's monitor."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from memtrain.train import checkpoint
+from memtrain.recompute.hooks import apply_plan, configure_deepspeed_ac
+from memtrain.config.args import RunArgs
+from memtrain.model.data import RandomTokens, prepare_data, to_device
+from memtrain.config.ds_config import resolve_ds_config, zero_stage
+from memtrain.errors import EXIT_RUN_FAILED, RunFailed, UserError
+from memtrain.train.faults import RunPosition, is_oom, nonfinite_loss_message, oom_message, write_failure
+from memtrain.model.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
+from memtrain.memory.tracker import ActivationMeter
+from memtrain.units import GIB
+from memtrain.train.metrics import IntervalTimer, device_memory, host_rss_gib, medians, reset_device_peak
+from memtrain.model.build import build_model
+from memtrain.train.preflight import check_run
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def single_process_env() -> None:
+    """`python src/train.py` without a launcher: a world of one."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _share_cpu_cores() -> None:
+    """On CPU, ranks on one node split the cores; oversubscribed threads stall every collective."""
+    if not torch.cuda.is_available():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        # Under Slurm a launcher owns only its task's CPUs (several launchers may share a node).
+        cores = int(os.environ.get("SLURM_CPUS_PER_TASK", 0)) or os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // local_world))
+
+
+def _skip_shm_comm_op() -> None:
+    """DeepSpeed JIT-builds its CPU shm comm op at init_distributed on a CPU accelerator (minutes on a
+    busy 2-core machine, and rebuilt whenever two ninja binaries share its build folder). The op only
+    serves DeepSpeed's inference all-reduce; ZeRO training on gloo never calls it. Marking it
+    incompatible makes DeepSpeed 0.19.8's `build_shm_op()` return None (deepspeed/comm/torch.py)."""
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except (ImportError, AttributeError):
+        pass
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT/SIGUSR1 on this rank; the ranks agree on it at the next log boundary
+    (`Boundary.agree`), where a stop saves and ends the run on every rank at the same step."""
+
+    def __init__(self) -> None:
+        self.signal_name = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def one_hot(self) -> list[float]:
+        return [float(self.signal_name == sig.name) for sig in STOP_SIGNALS]
+
+
+def set_local_device() -> torch.device:
+    """This rank's device, set from LOCAL_RANK before anything touches CUDA: the first collectives
+    (object broadcasts, NCCL's communicator) then use it, not cuda:0 on every rank."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def log_every(train, raw_ds_config: dict) -> int:
+    """train.log_every, else the JSON's steps_per_print, else 10."""
+    return int(train.log_every or raw_ds_config.get("steps_per_print") or 10)
+
+
+def is_boundary(done: int, t, every: int) -> bool:
+    """Steps after which the ranks synchronise: log, the end of the metric warm-up, a save, the last.
+    A pure function of the step, so every rank stops at the same ones."""
+    return (done % every == 0 or done == t.max_steps or done == t.metric_warmup_steps
+            or bool(t.save_interval and done % t.save_interval == 0))
+
+
+def _choose_run_dir(args: RunArgs) -> Path:
+    import deepspeed.comm as dist
+
+    chosen = [str(args.run_dir) if args.run_dir else f"runs/{args.recipe.name}-{datetime.now():%Y%m%d-%H%M%S}"]
+    dist.broadcast_object_list(chosen, src=0)  # one timestamp for all ranks
+    return Path(chosen[0])
+
+
+def _prepare_data_everywhere(recipe):
+    """Each node's first rank packs (and caches) the corpus; the others then load the cache."""
+    import deepspeed.comm as dist
+
+    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    data, error = None, None
+    if local_first:
+        try:
+            data = prepare_data(recipe.data, recipe.train.seed)
+        except UserError as e:
+            error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first_error = next((e for e in errors if e), None)
+    if first_error:
+        raise UserError(first_error)
+    return data or prepare_data(recipe.data, recipe.train.seed, build=False)
+
+
+def train(args: RunArgs) -> dict:
+    """Train; a NaN/inf loss or an OOM ends it with one line and summary.json status failed/oom."""
+    progress = RunPosition(world=int(os.environ.get("WORLD_SIZE", 1)), rank=int(os.environ.get("RANK", 0)))
+    try:
+        try:
+            return _train(args, progress)
+        finally:
+            if progress.bar is not None:
+                progress.bar.close()  # an error line must not share a line with the bar
+    except RunFailed as e:  # non-finite loss: every rank sees the same all-reduced value
+        if progress.rank == 0:
+            write_failure(progress, "failed", str(e))
+        raise
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        reason = oom_message(progress, args.recipe, args.ds_config)
+        write_failure(progress, "oom", reason)
+        if progress.world == 1:
+            raise RunFailed(reason) from None
+        # Other ranks may wait in a collective forever: report from this rank and leave at once;
+        # the launcher then stops the rest.
+        print(f"memtrain: error: {reason}", file=sys.stderr, flush=True)
+        os._exit(EXIT_RUN_FAILED)
+
+
+def _train(args: RunArgs, progress: RunPosition) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    recipe = args.recipe
+    t = recipe.train
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    device = set_local_device()  # before validation: policy auto times this rank's own device
+
+    # --- validate everything before any distributed work: the same check `make train` runs first
+    checked = check_run(args, world)
+    config, plan = checked.config, checked.plan
+
+    # --- distributed set-up
+    single_process_env()
+    import deepspeed
+    import deepspeed.comm as dist
+    from tqdm import tqdm
+
+    stop = StopFlag()  # from here on a stop signal is honoured at the next boundary, not lost
+    _share_cpu_cores()
+    _skip_shm_comm_op()
+    deepspeed.init_distributed(verbose=False)
+    rank = dist.get_rank()
+    memory_plan = checked.memory_plan
+    if memory_plan is not None:
+        # policy auto: every rank planned on its own device (set above), but they must all run one
+        # plan: rank 0's. Per-rank plans could differ by timing noise, and a rank that recomputes
+        # less than the others would be the one to run out of memory first.
+        shared = [plan, memory_plan]
+        dist.broadcast_object_list(shared, src=0)
+        plan, memory_plan = shared
+    run_dir = _choose_run_dir(args)
+    ckpt_dir = run_dir / "checkpoints"
+    progress.run_dir = run_dir
+    ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.num_recomputed)
+    predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
+    if rank == 0:
+        if args.overwrite:  # stale events or checkpoints must not mix into the new run
+            _clear_run(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(
+            {"recipe": recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
+             "world_size": world, "ac_plan": plan.to_dict()}, indent=2))
+        print(plan.describe(), flush=True)
+        if memory_plan is not None:
+            print(memory_plan.describe(), flush=True)
+        for warning in checked.warnings:
+            print(f"warning: {warning}", flush=True)
+    if recipe.data.random_tokens:
+        data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed)
+    else:
+        data = _prepare_data_everywhere(recipe)
+
+    # --- model, AC hooks, engine
+    _seed_everything(t.seed)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero_stage(ds_config) == 3):
+        model = build_model(recipe.model, config)
+    if plan.backend == "deepspeed":
+        configure_deepspeed_ac(ds_config, plan)
+    apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
+    model.train()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    device = engine.device  # every tensor that meets a collective lives here
+
+    _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
+    start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
+    progress.step = start
+
+    flops_per_token = model_flops_per_token(config, recipe.data.seq_len)
+    recompute = _recompute_flops(config, recipe.data.seq_len, plan)
+    hardware_flops_per_token = None if recompute is None else flops_per_token + recompute
+    peak_tflops = t.peak_tflops or device_peak_tflops()
+    tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
+    every = log_every(t, args.ds_config)
+    meter = ActivationMeter()
+    timer = IntervalTimer(device)
+    history: list[dict[str, float]] = []
+    measured_steps = 0
+    status, step, last_loss = "completed", start, float("nan")
+    started = time.time()
+
+    bar = progress.bar = tqdm(total=t.max_steps, initial=start, disable=rank != 0, desc=recipe.name, unit="step",
+                              dynamic_ncols=True)
+    # Steady state: no host-device sync inside a step. Per-step losses stay on the device until the
+    # next boundary (`is_boundary`), where one all-reduce carries them and the stop flags, and one
+    # read brings them to the host: the NaN check, the stop agreement and logging happen there.
+    step_losses: list[torch.Tensor] = []
+    interval_start = start
+    reset_device_peak()
+    timer.start()
+    for step in range(start, t.max_steps):
+        measure = step == interval_start  # activation bytes of one forward per interval
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(t.grad_accum_steps):
+            ids = to_device(data.batch(step, micro, rank, world, t.micro_batch_size, t.grad_accum_steps), device)
+            with meter.measure() if measure and micro == 0 else nullcontext():
+                loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float()
+        step_losses.append(loss_sum)
+        done = step + 1
+        bar.update(1)
+        if not is_boundary(done, t, every):
+            continue
+
+        # --- boundary: one all-reduce, one host read
+        seconds = timer.stop()
+        stats = torch.cat([torch.stack(step_losses), torch.tensor(stop.one_hot(), device=device)])
+        dist.all_reduce(stats)
+        values = stats.tolist()
+        losses = [v / (world * t.grad_accum_steps) for v in values[:len(step_losses)]]
+        stopped = [sig.name for sig, n in zip(STOP_SIGNALS, values[len(step_losses):]) if n > 0]
+        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        if bad is not None:  # stop before anything saves it; the last checkpoint stays good
+            progress.step = interval_start + bad
+            raise RunFailed(nonfinite_loss_message(losses[bad], interval_start + bad + 1, t.max_steps, run_dir, t))
+        last_loss = losses[-1]
+        progress.step = done
+        steps = done - interval_start
+        row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, tokens_per_step, world,
+                                t.micro_batch_size * t.grad_accum_steps, flops_per_token, hardware_flops_per_token,
+                                peak_tflops, meter.bytes)
+        if predicted_peak is not None:  # memtrain's prediction, beside the measured figures
+            row["memory/predicted_peak_gib"] = predicted_peak / GIB
+        if plan.memtrain_offload:  # host bytes that memtrain's cpu_checkpointing took off the device
+            row["memory/offloaded_activation_gib"] = meter.offloaded_bytes / GIB
+        if interval_start >= t.metric_warmup_steps or t.max_steps <= t.metric_warmup_steps:
+            history.append(row)
+            measured_steps += steps
+        else:  # warm-up: keep loss/lr/memory in TensorBoard, but no throughput figures
+            row = {k: v for k, v in row.items() if not k.startswith(("throughput/", "time/"))}
+        engine.monitor.write_events([(tag, value, done) for tag, value in row.items()])
+        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{row.get('throughput/tokens_per_s', 0):,.0f}",
+                        act_gib=f"{row['memory/activation_gib']:.3f}")
+        step_losses, interval_start = [], done
+        if stopped:
+            stop.signal_name = stop.signal_name or stopped[0]  # for summary.json, on every rank
+            status = "preempted"
+            break
+        if t.save_checkpoints and t.save_interval and done % t.save_interval == 0 and done < t.max_steps:
+            checkpoint.save(engine, ckpt_dir, done, t.keep_last)
+        reset_device_peak()
+        timer.start()
+    bar.close()
+
+    completed = step + 1 if status == "preempted" else t.max_steps
+    if t.save_checkpoints and (completed > start or status == "preempted"):
+        checkpoint.save(engine, ckpt_dir, completed, t.keep_last)
+    summary = {
+        "status": status,
+        "steps": completed,
+        "stop_signal": stop.signal_name,
+        "final_loss": last_loss,
+        "metrics": medians(history, 0),
+        "measured_steps": measured_steps,
+        "world_size": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "elapsed_s": time.time() - started,
+        "ac_plan": plan.to_dict(),
+        "run_dir": str(run_dir),
+        "tensorboard": str(run_dir / "tb"),
+    }
+    if predicted_peak is not None:
+        summary["predicted_peak_gib"] = predicted_peak / GIB
+    if device.type == "cuda":
+        summary["peak_allocated_gib"] = max((r["memory/peak_allocated_gib"] for r in history), default=0.0)
+    if memory_plan is not None:
+        summary["memory_plan"] = memory_plan.to_dict()
+    if rank == 0:
+        checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        print(f"{status}: {completed} steps, final loss {last_loss:.4f}; "
+              f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'})", flush=True)
+    dist.barrier()
+    # Close the process group before the interpreter exits: left to interpreter shutdown, gloo's
+    # threads were seen to abort a finished rank ("terminate called without an active exception").
+    dist.destroy_process_group()
+    return summary
+
+
+def _recompute_flops(config, seq_len: int, plan) -> Optional[float]:
+    """FLOPs per token the plan's recompute adds (memtrain.model.flops' model of torch's checkpoint); None
+    where that model has no answer (module-pattern plans)."""
+    if plan.modules:
+        return None
+    try:
+        return recompute_flops_per_token(config, seq_len, tuple(plan.layers))
+    except ValueError:
+        return None
+
+
+def _predicted_peak(recipe, ds_config: dict, world: int, plan, config, memory_plan) -> Optional[int]:
+    """memtrain.memory.planner's predicted peak device bytes for the plan this run executes."""
+    if memory_plan is not None:
+        return memory_plan.prediction.peak
+    from memtrain.memory.planner import predict_run
+
+    return predict_run(recipe, ds_config, world, plan, config).peak
+
+
+def _clear_run(run_dir: Path) -> None:
+    """--overwrite: remove what a previous run left (validation has run; the user asked for it)."""
+    import shutil
+
+    for name in ("tb", "checkpoints"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    for name in ("summary.json", "config.json"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_rank, flops_per_token,
+                      hardware_flops_per_token, peak_tflops, activation_bytes) -> dict[str, float]:
+    """One TensorBoard point per log interval: means over its steps, peaks over its steps."""
+    allocated, reserved = device_memory()
+    tokens_per_s = tokens_per_step / step_s
+    tflops = flops_per_token * tokens_per_step / world / step_s / 1e12
+    row = {
+        "train/loss": loss,
+        "train/lr": float(engine.get_lr()[0]),
+        "throughput/tokens_per_s": tokens_per_s,
+        "throughput/samples_per_s": world * samples_per_rank / step_s,
+        "throughput/tflops_per_device": tflops,
+        "time/step_s": step_s,
+        "memory/peak_allocated_gib": allocated,
+        "memory/peak_reserved_gib": reserved,
+        "memory/activation_gib": activation_bytes / GIB,
+        "memory/host_rss_gib": host_rss_gib(),
+    }
+    if peak_tflops:  # MFU: model FLOPs only; HFU: with what the AC plan recomputes
+        row["throughput/mfu"] = tflops / peak_tflops
+        if hardware_flops_per_token is not None:
+            row["throughput/hfu"] = tflops * hardware_flops_per_token / flops_per_token / peak_tflops
+    return row
