@@ -150,7 +150,14 @@ def test_legal_but_useless_settings_warn(tmp_path):
     path = _ds(tmp_path, lambda c: (c["activation_checkpointing"].update(partition_activations=True),
                                     c.update(my_note="hi"), c["optimizer"]["params"].update(lr=1e-3)))
     checked = validate.check_run(parse_args(["--deepspeed", path]), 2)
-    assert any("partition_activations" in w and "shards nothing" in w for w in checked.plan.warnings)
+    # no tensor-parallel group and a CPU run: both keys are no-ops, each with its one plan line
+    assert checked.plan.notes == (
+        "partition_activations: nothing to shard: no tensor-parallel group (tensor_parallel.autotp_size is 1) "
+        "to split checkpointed inputs across",
+        "cpu_checkpointing: a CPU run's activations are already in host memory: no copies, no cost")
+    assert not checked.plan.partition_activations and not checked.plan.cpu_checkpointing
+    assert checked.plan.backend == "torch" and not any(checked.plan.offload)  # nothing left for DeepSpeed's checkpoint
+    assert all(line in checked.plan.describe() for line in checked.plan.notes)
     assert f"{path}: 'my_note' is not a DeepSpeed config key; DeepSpeed ignores it" in checked.warnings
     assert f"{path}: optimizer.params.lr=0.001 overrides the recipe's train.lr=0.003" in checked.warnings
 

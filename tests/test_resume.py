@@ -1,4 +1,7 @@
-"""A run stopped by a signal and resumed equals an uninterrupted run, bit for bit (2 CPU ranks, launcher)."""
+"""A run stopped by a signal and resumed equals an uninterrupted run, bit for bit (2 CPU ranks, launcher).
+
+Attention dropout is on, so every step draws from the torch RNG: a resume that did not restore the
+RNG streams would draw other masks and lose bit-equality from the first resumed step."""
 import json
 import signal
 import subprocess
@@ -13,7 +16,8 @@ from memtrain.train.checkpoint import tag_for
 from memtrain.tools.tb import read_scalars
 
 STEPS = 10
-ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--deepspeed",
+ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--set", "model.config.attention_dropout=0.2",
+        "--deepspeed",
         str(ROOT / "ds_configs" / "zero3_ckpt.json")]
 
 

@@ -19,7 +19,7 @@ import copy
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from memtrain.recompute.policy import ACPlan, resolve_backend
+from memtrain.recompute.policy import ACPlan, build_plan, json_effects, resolve_backend
 from memtrain.errors import UserError
 from memtrain.units import gib
 from memtrain.memory.estimate import (OFFLOAD, ActivationProfile, ModelStates, Prediction, Rates, Target, activation_peak, allocator_margin, choice_mode, layer_footprint, model_states, predict)
@@ -269,7 +269,7 @@ def auto_plan(recipe, ds_config: dict, world_size: int, config=None, target: Opt
     budget = int(section.memory_budget * (1 << 30))
     target = target or make_target(recipe, ds_config, world_size)
     config = config or model_and_config(recipe)
-    ds_ac = ac_section(ds_config)
+    ds_ac, _ = json_effects(ac_section(ds_config), target.device)
     backend = resolve_backend(section.backend, ds_ac)
     profile = profile_activations(config, target)
     states = model_states(profile, ds_config, target)
@@ -282,9 +282,8 @@ def auto_plan(recipe, ds_config: dict, world_size: int, config=None, target: Opt
         raise UserError(f"activation_checkpointing.memory_budget: nothing fits {section.memory_budget:g} GiB "
                         f"per device: the smallest achievable predicted peak is {peak:.3f} GiB "
                         f"(model states {gib(states.total):.3f} GiB); would fit: {hint}")
-    plan = ACPlan(policy="auto", layers=result.modes, backend=backend, op_save=tuple(section.op_save),
-                     cpu_checkpointing=ds_ac["cpu_checkpointing"], offload=result.offload,
-                     partition_activations=ds_ac["partition_activations"] and backend == "deepspeed")
+    plan = build_plan("auto", section.backend, ac_section(ds_config), len(result.modes), section=section,
+                      device=target.device, layers=result.modes, offload=result.offload)
     return plan, result
 
 
@@ -295,7 +294,8 @@ def suggest_fit(recipe, ds_config: dict, world_size: int, budget_bytes: int) -> 
 
     target = make_target(recipe, ds_config, world_size)
     profile = profile_activations(model_and_config(recipe), target)
-    backend = resolve_backend(recipe.activation_checkpointing.backend, ac_section(ds_config))
+    backend = resolve_backend(recipe.activation_checkpointing.backend,
+                              json_effects(ac_section(ds_config), target.device)[0])
     choices = available_choices(profile, backend, offload=False)
     peak, hint = what_fits(profile, ds_config, target, choices, budget_bytes)
     if peak * (1 << 30) <= budget_bytes:

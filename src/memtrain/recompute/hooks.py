@@ -168,7 +168,8 @@ def configure_deepspeed_ac(ds_config: dict, plan: ACPlan) -> None:
 
     ds_own = plan.cpu_checkpointing and plan.offload_impl == "deepspeed"
     ds_config = {**ds_config, "activation_checkpointing": {**ds_config.get("activation_checkpointing", {}),
-                                                           "cpu_checkpointing": ds_own}}
+                                                           "cpu_checkpointing": ds_own,
+                                                           "partition_activations": plan.partition_activations}}
     deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
 
 

@@ -50,6 +50,7 @@ class ACPlan:
     cpu_checkpointing: bool = False
     partition_activations: bool = False
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = ()  # one line per JSON key that was asked for but has nothing to do here
     offload: tuple[bool, ...] = ()  # per layer: the checkpoint call it makes sends its input to host
     offload_impl: str = "memtrain"  # who offloads: memtrain.recompute.offload, or DeepSpeed's own CPU_CHECKPOINT
     offload_skip_last: int = 1  # policy 'modules': the last N matched modules keep their input on the device
@@ -170,9 +171,15 @@ class ACPlan:
             lines.append(f"  op-level saves the outputs of: {', '.join(self.op_save)}")
         if self.modules:
             lines.append(f"  modules recomputed: {', '.join(self.modules)}")
+        noted = {note.partition(":")[0] for note in self.notes}
+        partition = ("partition_activations: on, checkpointed inputs are sharded across the tensor-parallel group"
+                     if self.partition_activations else "partition_activations: off")
         offload = self._describe_offload()
-        lines.append(f"  partition_activations: {'on' if self.partition_activations else 'off'}; {offload[0]}")
-        lines += offload[1:]
+        lines += [f"  {line}" for line in self.notes]
+        if "partition_activations" not in noted:
+            lines.append(f"  {partition}")
+        if "cpu_checkpointing" not in noted:
+            lines += [f"  {offload[0]}"] + offload[1:]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -229,8 +236,28 @@ def sqrt_segments(layers: tuple[str, ...], segment_len: Optional[int] = None) ->
     return tuple((s, min(s + k, n)) for s in range(0, n, k) if min(s + k, n) - s >= 2)
 
 
+def json_effects(ds_ac: dict, device: str, model_parallel_size: int = 1) -> tuple[dict, tuple[str, ...]]:
+    """What the JSON's `partition_activations` and `cpu_checkpointing` do on this run: the section with
+    each key as it takes effect, and one plan line per key that was asked for but has nothing to do.
+
+    `partition_activations` shards checkpointed inputs across the model-parallel (tensor-parallel)
+    group, so it needs one; `cpu_checkpointing` moves them from the accelerator to host memory, so on
+    a CPU run, whose activations already live in host memory, it would copy host to host for nothing.
+    """
+    effective, notes = dict(ds_ac), []
+    if ds_ac["partition_activations"] and model_parallel_size <= 1:
+        effective["partition_activations"] = False
+        notes.append("partition_activations: nothing to shard: no tensor-parallel group "
+                     "(tensor_parallel.autotp_size is 1) to split checkpointed inputs across")
+    if ds_ac["cpu_checkpointing"] and device != "cuda":
+        effective["cpu_checkpointing"] = False
+        notes.append(f"cpu_checkpointing: a {device.upper()} run's activations are already in host memory: "
+                     "no copies, no cost")
+    return effective, tuple(notes)
+
+
 def resolve_backend(requested: str, ds_ac: dict) -> str:
-    """DeepSpeed's checkpoint when its JSON features are asked for, torch's otherwise."""
+    """DeepSpeed's checkpoint when its JSON features take effect (`json_effects`), torch's otherwise."""
     if requested != "auto":
         return requested
     return "deepspeed" if ds_ac["partition_activations"] or ds_ac["cpu_checkpointing"] else "torch"
@@ -247,19 +274,20 @@ def effective_policy(section, ds_config: dict) -> str:
 
 
 def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_parallel_size: int = 1,
-               section=None) -> ACPlan:
+               section=None, device: str = "cuda", layers: Optional[tuple[str, ...]] = None,
+               offload: Optional[tuple[bool, ...]] = None) -> ACPlan:
     """The plan for a policy string; `section` (the recipe's ACSection) supplies segment_len,
-    modules and op_save (defaults without it)."""
-    layers, is_sqrt = _parse(policy, num_layers)
+    modules and op_save (defaults without it). `device` is the run's ("cuda" or "cpu") and
+    `model_parallel_size` its tensor-parallel size: they decide which JSON keys take effect
+    (`json_effects`). Policy 'auto' passes the planner's per-layer `layers` and `offload`."""
+    ds_ac, notes = json_effects(ds_ac, device, model_parallel_size)
+    layers, is_sqrt = (tuple(layers), False) if layers is not None else _parse(policy, num_layers)
     requested, backend = backend, resolve_backend(backend, ds_ac)
     segment_len = getattr(section, "segment_len", None)
     modules = tuple(getattr(section, "modules", ()) or ())
     op_save = tuple(getattr(section, "op_save", DEFAULT_OP_SAVE))
     base = policy.strip().partition("+")[0]
     warnings = []
-    if ds_ac["partition_activations"] and model_parallel_size == 1:
-        warnings.append("partition_activations shards checkpoints across the model-parallel group; "
-                        "with no model parallelism (size 1) it shards nothing and saves no memory")
     if backend == "torch" and ds_ac["partition_activations"]:
         warnings.append("backend 'torch' ignores the JSON's partition_activations")
     offload_impl = getattr(section, "cpu_checkpointing_impl", "memtrain")
@@ -297,8 +325,10 @@ def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_pa
         cpu_checkpointing=ds_ac["cpu_checkpointing"],
         partition_activations=ds_ac["partition_activations"] and backend == "deepspeed",
         warnings=tuple(warnings),
-        offload=offload_flags([m != KEEP for m in layers], ds_ac["cpu_checkpointing"], skip_last,
-                              every=offload_impl == "deepspeed", segments=segments),
+        notes=notes,
+        offload=tuple(offload) if offload is not None and ds_ac["cpu_checkpointing"] else
+        offload_flags([m != KEEP for m in layers], ds_ac["cpu_checkpointing"], skip_last,
+                      every=offload_impl == "deepspeed", segments=segments),
         offload_impl=offload_impl,
         offload_skip_last=skip_last,
     )

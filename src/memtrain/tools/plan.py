@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, replace
 from typing import Optional
 
-from memtrain.recompute.policy import build_plan, resolve_backend
+from memtrain.recompute.policy import build_plan, json_effects, resolve_backend
 from memtrain.errors import UserError, cli_entry
 from memtrain.units import GIB, parse_size
 from memtrain.memory.estimate import (MODULES, OFFLOAD, ActivationProfile, choice_mode, make_target, measure_rates, model_and_config, model_states, predict, predict_plan, profile_activations)
@@ -68,7 +68,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
     profile = profile_activations(config, target)
     states = model_states(profile, ds_config, target)
     rates = measure_rates(target.dtype)
-    ds_ac = ac_section(ds_config)
+    ds_ac, _ = json_effects(ac_section(ds_config), target.device)
     backend = resolve_backend(recipe.activation_checkpointing.backend, ds_ac)
     offload = target.device == "cuda" and rates.host_bytes_per_s > 0 and ds_ac["cpu_checkpointing"]  # as auto_plan
     choices = available_choices(profile, backend, offload)
@@ -146,11 +146,11 @@ def _extra_rows(recipe, ds_config: dict, config, target, backend: str, num_layer
 
     section = recipe.activation_checkpointing
     ds_ac = {**ac_section(ds_config), "partition_activations": False}
-    rows = {"sqrt": build_plan("sqrt", backend, ds_ac, num_layers, section=None)}
+    rows = {"sqrt": build_plan("sqrt", backend, ds_ac, num_layers, section=None, device=target.device)}
     policy = section.policy
     if policy not in ("auto", "none", "full", "sqrt", "op", "selective:attn", "selective:mlp"):
         try:
-            rows[policy] = build_plan(policy, backend, ds_ac, num_layers, section=section)
+            rows[policy] = build_plan(policy, backend, ds_ac, num_layers, section=section, device=target.device)
         except UserError:  # the run's own check says why; the table goes on without it
             pass
     return rows

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
+from memtrain.train.faults import is_oom_text
 from memtrain.errors import UserError
 from memtrain.config.recipe import Recipe, _did_you_mean, format_validation_error, load_yaml
 
@@ -21,7 +22,6 @@ DEFAULT_SWEEP = "recipes/sweeps/tiny-cpu.yaml"
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 DS_KEY = "deepspeed"  # the grid key that sweeps DeepSpeed JSON files instead of a recipe key
 FINAL = ("completed", "oom", "failed")  # preempted points are resumed, not skipped
-OOM_RE = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
 class _Strict(BaseModel):
@@ -244,7 +244,7 @@ def record_outcome(point: Point, returncode: int) -> dict:
         reason = "exited 0 without writing summary.json"
     else:
         reason = failure_reason(stderr, _read(point.run_dir / "stdout.log"))
-    status = "oom" if OOM_RE.search(stderr) else "failed"
+    status = "oom" if is_oom_text(stderr) else "failed"
     summary = {"status": status, "reason": reason, "returncode": returncode, "steps": last_step(stderr),
                "run_dir": str(point.run_dir), "tensorboard": str(point.run_dir / "tb"), "written_by": "memtrain.tools.sweep"}
     (point.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 from pathlib import Path
 from typing import Optional
 
@@ -21,8 +20,6 @@ import torch
 
 TAG_PREFIX = "step"
 TMP_PREFIX = ".tmp-"
-# Tests only: SIGKILL rank 0 after its shards are written but before the rename, at this step.
-KILL_IN_SAVE_ENV = "MEMTRAIN_TEST_KILL_IN_SAVE"
 
 
 def tag_for(step: int) -> str:
@@ -59,8 +56,6 @@ def save(engine, ckpt_dir: Path, step: int, keep_last: int) -> str:
     torch.save(_rng_state(), ckpt_dir / tmp_tag / f"rng_rank{rank}.pt")
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
-        if os.environ.get(KILL_IN_SAVE_ENV) == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)
         final = ckpt_dir / tag
         if final.exists():  # the same step saved again (e.g. a resumed run preempted at once)
             old = ckpt_dir / f"{TMP_PREFIX}old-{tag}"

@@ -5,6 +5,7 @@ The sweep runner reads summary.json's `status` ("failed" | "oom") and `reason`.
 from __future__ import annotations
 
 import json
+import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +42,18 @@ def nonfinite_loss_message(loss: float, step: int, max_steps: int, run_dir: Path
             f"(now {train.grad_clip:g}), and prefer bf16 to fp16")
 
 
+# What torch prints when memory runs out: CUDA's OutOfMemoryError, and the CPU allocator's RuntimeError.
+OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory", re.IGNORECASE)
+
+
+def is_oom_text(text: str) -> bool:
+    """A process's output (a sweep point's or bench set-up's stderr) says it ran out of memory."""
+    return bool(OOM_TEXT.search(text))
+
+
 def is_oom(e: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the CPU allocator failing (RuntimeError "can't allocate memory")."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text)
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and is_oom_text(str(e)))
 
 
 def _memory() -> tuple[str, int]:

@@ -322,6 +322,13 @@ def check_run_dir(args: RunArgs, world_size: int) -> None:
                         "or --overwrite to replace it")
 
 
+def run_device() -> str:
+    """The accelerator the workers will train on, as the planner names it."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_run(args: RunArgs, world_size: int) -> Checked:
     """Every check, cheapest first; raises UserError on the first mistake."""
     recipe, source = args.recipe, args.ds_config_path
@@ -343,7 +350,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
             plan, memory_plan = auto_plan(recipe, args.ds_config, world_size, config)
         else:
             plan = build_plan(policy, recipe.activation_checkpointing.backend, ds_ac, config.num_hidden_layers,
-                              section=recipe.activation_checkpointing)  # also rejects op-level under reentrant
+                              section=recipe.activation_checkpointing, device=run_device())  # also rejects op-level under reentrant
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
     deepspeed_accepts(args.ds_config, resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"),

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from memtrain.config.ds_config import load_ds_config
+from memtrain.train.faults import is_oom_text
 from memtrain.errors import UserError, cli_entry
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.sweep_points import free_port
@@ -128,7 +129,7 @@ class Runner:
             return result
         text = proc.stderr + proc.stdout
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
-        result.update(oom="out of memory" in text.lower(), error=" / ".join(tail) or f"exit {proc.returncode}")
+        result.update(oom=is_oom_text(text), error=" / ".join(tail) or f"exit {proc.returncode}")
         return result
 
 
