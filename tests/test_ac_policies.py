@@ -159,7 +159,13 @@ def test_op_needs_torch_backend_and_bad_keys_are_user_errors():
         build_plan("op+first:2", "deepspeed", ac_section({}), 4)
     json_ac = ac_section({"activation_checkpointing": {"partition_activations": True}})
     with pytest.raises(UserError, match="partition_activations/cpu_checkpointing.*backend 'auto'"):
-        build_plan("op", "auto", json_ac, 4)
+        build_plan("op", "auto", json_ac, 4, model_parallel_size=2)  # a TP group: partitioning takes effect
+    offload_ac = ac_section({"activation_checkpointing": {"cpu_checkpointing": True}})
+    with pytest.raises(UserError, match="partition_activations/cpu_checkpointing.*backend 'auto'"):
+        build_plan("op", "auto", offload_ac, 4, device="cuda")
+    # where neither key has anything to do (no TP group, a CPU run), 'auto' keeps torch's checkpoint
+    assert build_plan("op", "auto", json_ac, 4).backend == "torch"
+    assert build_plan("op", "auto", offload_ac, 4, device="cpu").backend == "torch"
     with pytest.raises(UserError, match="activation_checkpointing.op_save: unknown op 'matmull'"):
         _plan("op", op_save=["matmull"])
     with pytest.raises(UserError, match="activation_checkpointing.op_save: 'matmul/0'"):

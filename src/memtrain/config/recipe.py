@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
-                      ValidationError)
+                      ValidationError, field_validator)
 
 from memtrain.errors import UserError
 
@@ -119,9 +119,19 @@ class ACSection(_Strict):
     """Who offloads when the JSON's cpu_checkpointing is on: memtrain (memtrain.recompute.offload, either
     backend) or DeepSpeed's own CPU_CHECKPOINT (for comparison; needs the deepspeed backend)."""
     memory_budget: Optional[PositiveFloat] = None
-    """policy 'auto': GiB per device the predicted peak must fit (memtrain.memory.planner picks, per layer,
+    """policy 'auto': GiB per device (or a size: 40GiB, 80GB; memtrain.units) the predicted peak must fit (memtrain.memory.planner picks, per layer,
     keep/op/attn/mlp/full/full+offload with the least predicted step time). On CPU the budget
     applies to the predicted model states + activations, not to the process RSS."""
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _size(cls, value):
+        """A size string goes through the one size parser, as BUDGET= does; numbers are GiB."""
+        if isinstance(value, str):
+            from memtrain.units import GIB, parse_size
+
+            return parse_size(value, "activation_checkpointing.memory_budget") / GIB
+        return value
 
 
 class Recipe(_Strict):

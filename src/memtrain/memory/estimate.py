@@ -8,7 +8,7 @@ Activation sizes are measured, not derived from formulas: the real transformers 
 decoder layer runs one forward and backward per AC mode at the target micro-batch, sequence
 length and dtype, on fake tensors (`FakeTensorMode`: shapes only, nothing allocated); a 2-layer
 run separates the layer from what lies around it. A tracker follows every tensor storage through
-the step (`_StepTracker`), so the measurement covers any decoder family, attention kernel, dtype
+the step (`memtrain.memory.tracker.StepTracker`), so the measurement covers any decoder family, attention kernel, dtype
 and whatever the AC modes really keep. The layer count scales it: the live bytes at any point
 are prefix sums of per-layer costs (`activation_peak`), which tests check against real steps.
 
@@ -23,19 +23,17 @@ allocator margin (ALLOCATOR_MARGIN, measured on an H100: see there).
 from __future__ import annotations
 
 import copy
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP, OP
 from memtrain.recompute.hooks import _pattern, _sublayer, apply_plan, remove_plan
 from memtrain.config.ds_config import AUTO
-from memtrain.memory.tracker import ActivationMeter
+from memtrain.memory.tracker import ActivationMeter, StepTracker
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 
@@ -181,95 +179,6 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
 
 # --------------------------------------------------------------------------- measurement
 
-class _FakeMeter(ActivationMeter):
-    """ActivationMeter whose storage identity also works for fake tensors (they have no address)."""
-
-    def _alive_bytes(self) -> int:
-        storages: dict[int, int] = {}
-        for ref in self._refs:
-            t = ref()
-            if t is not None:
-                s = t.untyped_storage()
-                storages[s._cdata] = s.nbytes()
-        return sum(storages.values())
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or outputs (flat, or one level of lists/tuples/dicts)."""
-    out = []
-    for x in tree:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            out.extend(y for y in x if isinstance(y, torch.Tensor))
-        elif isinstance(x, dict):
-            out.extend(y for y in x.values() if isinstance(y, torch.Tensor))
-    return out
-
-
-class _StepTracker(TorchDispatchMode):
-    """Follows a step op by op: every storage an op creates and the moment it dies.
-
-    Liveness is read from weak references to the C++ storages themselves, swept after every op,
-    so a storage counts as freed exactly when its memory would go back to the allocator (Python
-    garbage collection plays no part). Works alike on real and on fake tensors.
-    """
-
-    def __init__(self, flops: Callable[[], float], block: int = 1) -> None:
-        super().__init__()
-        self.block = block
-        self.flops = flops  # running FLOP total of the step so far
-        self.events: list[tuple[int, int]] = []  # (+bytes at allocation | -bytes at free, storage serial)
-        self.marks: dict[str, tuple[int, float, int]] = {}  # name -> (event index, FLOPs, bytes written)
-        self._live: dict[int, tuple[int, int, int]] = {}  # storage key -> (weak C++ ref, bytes, serial)
-        self.written = 0  # bytes written into fresh storage: the memory-traffic proxy of the step
-
-    def mark(self, name: str) -> None:
-        self._sweep()
-        self.marks[name] = (len(self.events), self.flops(), self.written)
-
-    def serial(self, storage) -> Optional[int]:
-        entry = self._live.get(storage._cdata)
-        return entry[2] if entry else None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {t.untyped_storage()._cdata for t in _tensors((*args, *kwargs.values()))}
-        out = func(*args, **kwargs)
-        self._sweep()
-        for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
-            storage = t.untyped_storage()
-            if storage._cdata not in inputs:  # views and in-place results allocate nothing
-                self._track(storage)
-        return out
-
-    def _sweep(self) -> None:
-        expired = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls, without the wrapper
-        dead = [key for key, (ref, _, _) in self._live.items() if expired(ref)]
-        for key in dead:
-            _, nbytes, serial = self._live.pop(key)
-            self.events.append((-nbytes, serial))
-
-    def _track(self, storage) -> None:
-        key = storage._cdata
-        if key in self._live:
-            return
-        nbytes = math.ceil(storage.nbytes() / self.block) * self.block
-        serial = len(self.events)
-        self._live[key] = (storage._weak_ref(), nbytes, serial)
-        self.written += nbytes
-        self.events.append((nbytes, serial))
-
-    def curve(self, exclude: set[int]) -> list[int]:
-        """Live bytes after each event, leaving out the storages in `exclude` (parameter gradients)."""
-        live, out = 0, [0]
-        for delta, serial in self.events:
-            if serial not in exclude:
-                live += delta
-            out.append(live)
-        return out
-
-
 @dataclass(frozen=True)
 class LayerCost:
     """One decoder layer under one AC mode, measured at the target shape."""
@@ -383,7 +292,7 @@ def _run(model, modes, target: Target) -> dict:
     _, layers = decoder_layers(model)
     apply_plan(model, _mode_plan(model, modes))
     counter = flop_counter()
-    tracker = _StepTracker(counter.get_total_flops, CUDA_BLOCK if target.device == "cuda" else 1)
+    tracker = StepTracker(counter.get_total_flops, CUDA_BLOCK if target.device == "cuda" else 1)
     state = {"backward": False, "input_bytes": 0}
     handles = []
 
@@ -411,7 +320,7 @@ def _run(model, modes, target: Target) -> dict:
 
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (target.micro_batch_size, target.seq_len), device=device)
-    meter = _FakeMeter()
+    meter = ActivationMeter()
     try:
         with counter, tracker:
             with meter.measure():

@@ -12,6 +12,11 @@ Memory model: `memtrain.memory.estimate` (peaks over forward, loss and backward;
 what layers leave alive). The DP keeps, after each layer, the Pareto front of (bytes left alive
 so far, predicted time); every constraint grows with the bytes so far, so a state with more bytes
 and more time can never lead to a better plan, and dropping it keeps the search exact.
+
+Why not torch.distributed._tools.sac_ilp: it solves per-module selective-recompute ratios with an
+ILP through PuLP (not a dependency here), from SACEstimator's per-op statistics of one real run, and
+models neither host offload nor ZeRO's model states and buffers. The choice here is per decoder layer
+among whole-layer modes and offload, which a DP over layers solves exactly in milliseconds.
 """
 from __future__ import annotations
 

@@ -1,14 +1,20 @@
-"""Live activation bytes, counted through saved-tensor hooks: the one activation tracker."""
+"""Activation bytes, measured: saved for the backward (saved-tensor hooks), and live per op (a dispatch mode).
+
+The estimate, the ac-profile and the trainer's `memory/activation_gib` all count with these two, on
+real and on fake tensors alike. torch.distributed._tools.MemTracker attributes memory to modules and
+categories; memtrain needs the saved set alone (what recompute changes) and an op-by-op curve with
+named marks (what the per-layer estimate is built from), which it does not give.
+"""
 from __future__ import annotations
 
+import math
 import weakref
 from contextlib import contextmanager
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
-
-GIB = float(1 << 30)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _ACTIVE_METER: Optional["ActivationMeter"] = None
 
@@ -55,7 +61,8 @@ class ActivationMeter:
         return t
 
     @contextmanager
-    def measure(self):
+    def measure(self, keep: bool = False):
+        """Count what the block saves; `keep`: hold the weak references for `storages()` until `release()`."""
         global _ACTIVE_METER
         self._refs.clear()
         self._offloaded = 0
@@ -67,17 +74,103 @@ class ActivationMeter:
             _ACTIVE_METER = previous
             self.bytes = self._alive_bytes()
             self.offloaded_bytes = self._offloaded
-            self._refs.clear()
+            if not keep:
+                self.release()
 
-    def _alive_bytes(self) -> int:
-        storages: dict[tuple, int] = {}
+    def release(self) -> None:
+        self._refs.clear()
+
+    def storages(self) -> list:
+        """The distinct storages still alive among what was saved (and retained)."""
+        out = {}
         for ref in self._refs:
             t = ref()
             if t is None:
                 continue
             s = t.untyped_storage()
-            if s.nbytes():
-                storages[(t.device, s.data_ptr())] = s.nbytes()
-        return sum(storages.values())
+            if s.nbytes():  # keyed by the storage object itself: views share it; fake tensors have no address
+                out[s._cdata] = s
+        return list(out.values())
+
+    def _alive_bytes(self) -> int:
+        return sum(s.nbytes() for s in self.storages())
 
 
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (flat, or one level of lists/tuples/dicts)."""
+    out = []
+    for x in tree:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            out.extend(y for y in x if isinstance(y, torch.Tensor))
+        elif isinstance(x, dict):
+            out.extend(y for y in x.values() if isinstance(y, torch.Tensor))
+    return out
+
+
+class StepTracker(TorchDispatchMode):
+    """Follows a step op by op: every storage an op creates and the moment it dies.
+
+    Liveness is read from weak references to the C++ storages themselves, swept after every op,
+    so a storage counts as freed exactly when its memory would go back to the allocator (Python
+    garbage collection plays no part). Works alike on real and on fake tensors.
+    """
+
+    def __init__(self, flops: Callable[[], float], block: int = 1) -> None:
+        super().__init__()
+        self.block = block
+        self.flops = flops  # running FLOP total of the step so far
+        self.events: list[tuple[int, int]] = []  # (+bytes at allocation | -bytes at free, storage serial)
+        self.marks: dict[str, tuple[int, float, int]] = {}  # name -> (event index, FLOPs, bytes written)
+        self._live: dict[int, tuple[int, int, int]] = {}  # storage key -> (weak C++ ref, bytes, serial)
+        self.written = 0  # bytes written into fresh storage: the memory-traffic proxy of the step
+
+    def mark(self, name: str) -> None:
+        self.sweep()
+        self.marks[name] = (len(self.events), self.flops(), self.written)
+
+    def serial(self, storage) -> Optional[int]:
+        entry = self._live.get(storage._cdata)
+        return entry[2] if entry else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {t.untyped_storage()._cdata for t in _tensors((*args, *kwargs.values()))}
+        out = func(*args, **kwargs)
+        self.sweep()
+        for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
+            storage = t.untyped_storage()
+            if storage._cdata not in inputs:  # views and in-place results allocate nothing
+                self._track(storage)
+        return out
+
+    def sweep(self) -> None:
+        expired = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls, without the wrapper
+        dead = [key for key, (ref, _, _) in self._live.items() if expired(ref)]
+        for key in dead:
+            _, nbytes, serial = self._live.pop(key)
+            self.events.append((-nbytes, serial))
+
+    def adopt(self, storage) -> None:
+        """Count a storage made before the tracker was entered (e.g. the activations a forward saved)."""
+        self._track(storage)
+
+    def _track(self, storage) -> None:
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = math.ceil(storage.nbytes() / self.block) * self.block
+        serial = len(self.events)
+        self._live[key] = (storage._weak_ref(), nbytes, serial)
+        self.written += nbytes
+        self.events.append((nbytes, serial))
+
+    def curve(self, exclude: set[int]) -> list[int]:
+        """Live bytes after each event, leaving out the storages in `exclude` (parameter gradients)."""
+        live, out = 0, [0]
+        for delta, serial in self.events:
+            if serial not in exclude:
+                live += delta
+            out.append(live)
+        return out

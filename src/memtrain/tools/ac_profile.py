@@ -33,16 +33,13 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, build_plan
 from memtrain.recompute.hooks import apply_plan, observe_recompute
 from memtrain.config.ds_config import ac_section
 from memtrain.model.flops import flop_counter
 from memtrain.errors import UserError, cli_entry
-from memtrain.memory.tracker import ActivationMeter
+from memtrain.memory.tracker import ActivationMeter, StepTracker
 
 DEFAULT_OUT = "reports/ac_profile.csv"
 CPU_SEQ_LEN = 128  # default profile shape: min(recipe seq_len, this) x batch 1
@@ -62,52 +59,6 @@ class StepCost:
     grads: dict[str, torch.Tensor]
 
 
-class _LiveSet(ActivationMeter):
-    """ActivationMeter that also keeps weak references to the counted storages, adds what
-    recomputes produce, and samples the live total (see the module docstring)."""
-
-    def __init__(self, skip: set) -> None:
-        super().__init__()
-        self.skip = skip  # parameter storages: views of weights are not activations
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def track(self, t: torch.Tensor) -> None:
-        s = t.untyped_storage()
-        if s.nbytes() and s._cdata not in self.skip:
-            self.live[s._cdata] = (StorageWeakRef(s), s.nbytes())
-
-    def sample(self) -> None:
-        total = 0
-        for key, (ref, nbytes) in list(self.live.items()):
-            if ref.expired():
-                del self.live[key]
-            else:
-                total += nbytes
-        self.peak = max(self.peak, total)
-
-    def _alive_bytes(self) -> int:
-        for ref in self._refs:
-            t = ref()
-            if t is not None:
-                self.track(t)
-        return super()._alive_bytes()
-
-
-class _RecomputeWatch(TorchDispatchMode):
-    def __init__(self, live: _LiveSet) -> None:
-        super().__init__()
-        self.live = live
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.live.track(t)
-        self.live.sample()
-        return out
-
-
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids, labels=input_ids).loss
 
@@ -119,17 +70,21 @@ def measure_step(model: nn.Module, plan: ACPlan, input_ids: torch.Tensor, *, see
     apply_plan(model, plan)
     model.train()
     model.zero_grad(set_to_none=True)
-    live = _LiveSet({p.untyped_storage()._cdata for p in model.parameters()})
+    meter = ActivationMeter()
     torch.manual_seed(seed)
     with flop_counter() as flops:
-        with live.measure():
+        with meter.measure(keep=True):
             loss = loss_fn(model, input_ids)
-        live.sample()
-        with observe_recompute(lambda: _RecomputeWatch(live)):
+        # the backward's live set: what the forward saved, plus whatever each recompute makes
+        live = StepTracker(flops.get_total_flops)
+        for storage in meter.storages():
+            live.adopt(storage)
+        meter.release()
+        with observe_recompute(lambda: live):
             loss.backward()
-    live.sample()
+        live.sweep()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return StepCost(live.bytes, live.peak, flops.get_total_flops(), loss.item(), grads)
+    return StepCost(meter.bytes, max(live.curve(set())), flops.get_total_flops(), loss.item(), grads)
 
 
 def max_rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
