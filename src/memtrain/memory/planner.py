@@ -1,5 +1,7 @@
-"""`policy: auto`: per layer, keep / op / attn / mlp / full / full+offload, chosen to fit a memory
-budget with the least predicted step time. Solved exactly by dynamic programming over layers.
+"""`policy: auto`: the per-layer recompute and offload plan that fits a memory budget in the least time.
+
+Per layer: keep / op / attn / mlp / full / full+offload, chosen to fit a memory budget with the
+least predicted step time. Solved exactly by dynamic programming over layers.
 
 Step-time model (only the differences between plans matter; the step itself is the same work):
 * recompute of a layer = its measured extra backward FLOPs / the device's matmul rate

@@ -1,5 +1,6 @@
-"""`python -m memtrain.tools.plan` (`make plan RECIPE=... [DS=...] [BUDGET=40GiB] [NGPUS=...]`): the
-predicted peak memory per device of a recipe, by component and per AC policy, before any run.
+"""`make plan`: a recipe's predicted peak memory per device, by component and per AC policy, before any run.
+
+`python -m memtrain.tools.plan` (`make plan RECIPE=... [DS=...] [BUDGET=40GiB] [NGPUS=...]`).
 
 Activations are measured on fake tensors (nothing is allocated), so every shipped recipe plans
 in seconds on a CPU. With a budget it adds, per policy, the largest micro-batch and the longest
