@@ -92,7 +92,7 @@ def test_activation_peak_matches_a_real_step(tiny):
     CPU step of the 4-layer default model with the plan applied, measured by the CPU allocator's own
     memory events (torch.profiler, not memtrain's tracker) within 1%, and the bytes saved for backward by
     saved-tensor hooks on the real tensors (ActivationMeter) within 1%. Measured here: keep exact,
-    the mixed plans 0.4-0.7% under (a ~20 KB transient the one-layer profile does not see)."""
+    the mixed plans 0.4-0.7% under (16-21 KB of 3.3-4.5 MB)."""
     from memtrain.recompute.hooks import remove_plan
 
     recipe, config, profile = tiny
@@ -111,7 +111,7 @@ def test_activation_peak_matches_a_real_step(tiny):
         assert mm.predict(profile, NO_STATES, plan).saved_activations == pytest.approx(meter.bytes, rel=0.01), plan
 
 
-STATE_CASES = ["1", "1+opt", "2", "2+opt", "2+nooverlap", "3", "3+opt", "3+opt+param"]
+STATE_CASES = ["1", "1+opt", "2", "2+opt", "3", "3+opt", "3+opt+param"]
 
 
 def test_model_states_match_deepspeed_per_term(tmp_path):
@@ -149,7 +149,6 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # the terms are all there: each case has what its layout says, and offload moves it
         assert result["1"]["measured"]["adam"] > 0 and result["1+opt"]["measured"]["adam"] == 0
         assert result["3+opt+param"]["measured"]["params"] == 0 < result["3"]["measured"]["buckets"]
-        assert result["2"]["measured"]["reduce_buckets"] == 2 * result["2+nooverlap"]["measured"]["reduce_buckets"]
 
 
 def test_dp_is_exact_and_beats_uniform_policies(tiny):
