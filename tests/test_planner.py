@@ -118,10 +118,10 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
     """One 2-rank launch of the real deepspeed launcher (CPU gloo) builds ZeRO-1, -2 and -3 engines
     with and without offload (tests/ds_model_states.py: the tiny recipe in fp32, a 100,000-element
     reduce bucket so no term swamps another) and measures every term from the engine's own tensors.
-    Each rank, each case, each term of model_states on its own: within 5% (DeepSpeed's
-    partition padding; rank 0's ZeRO-1/2 gradient partition holds 65 KB more than n/world), and
-    nothing left over that no term counts. The ZeRO-3 gathered set is sampled at every module's
-    forward. A bound, not an equality: the ZeRO-1/2 reduction's flatten copy (the model counts a
+    Each rank, each case, each term of model_states on its own: exact (measured so), but the
+    ZeRO-1/2 gradient partition within 5% (rank 0's holds 65 KB more than n/world, rank 1's 256
+    bytes; not traced to its source), and nothing left over that no term counts. The ZeRO-3
+    gathered set is sampled at every module's forward. A bound, not an equality: the ZeRO-1/2 reduction's flatten copy (the model counts a
     whole bucket; the real copy is what of it one rank's partition holds)."""
     from conftest import _env, _free_port
 
@@ -139,11 +139,12 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
             m, p = r["measured"], r["predicted"]
             for term, parts in exact.items():
                 measured = sum(m[k] for k in ((parts,) if isinstance(parts, str) else parts))
-                assert p[term] == pytest.approx(measured, rel=0.05, abs=4096), (rank, case, term, m, p)
+                tolerance = 0.05 if term == "grads" else 0  # see above
+                assert p[term] == pytest.approx(measured, rel=tolerance, abs=0), (rank, case, term, m, p)
             assert m["other"] < 4096 and m["gathered"] == 0, (rank, case, m)  # nothing unaccounted
             assert p["update"] == 0  # fp32: no separate fp32 gradients for the update
             if case.startswith("3"):  # the default reuse distance keeps every non-persistent parameter whole
-                assert p["gathered"] == pytest.approx(m["gathered_in_forward"], rel=0.05), (rank, case, m, p)
+                assert p["gathered"] == m["gathered_in_forward"], (rank, case, m, p)
             else:
                 assert 0 < m["reduce_scratch"] <= p["reduce_scratch"], (rank, case, m, p)
         # the terms are all there: each case has what its layout says, and offload moves it
