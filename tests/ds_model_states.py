@@ -102,7 +102,7 @@ def main() -> None:
         if stage in (1, 2):
             release, flatten = opt._release_ipg_buffers, opt.flatten
 
-            def _release(release=release):  # the backward's ipg buckets, just before DeepSpeed frees them
+            def _release(release=release, opt=opt):  # the backward's ipg buckets, just before DeepSpeed frees them
                 seen["reduce_buckets"] = max(seen["reduce_buckets"], sum(storages(
                     b for bucket in opt.ipg_buckets.values() for b in bucket.buffer).values()))
                 release()
@@ -116,11 +116,11 @@ def main() -> None:
 
             opt._release_ipg_buffers, opt.flatten = _release, _flatten
         if stage == 3:  # the largest gathered set in the forward: whole non-persistent parameters alive
-            def sample(module, *args):
-                seen["gathered"] = max(seen["gathered"], sum(storages(
-                    p.data for p in params if not getattr(p, "ds_persist", False)).values()))
+            gatherable = [p for p in model.parameters() if not getattr(p, "ds_persist", False)]
 
-            params = list(model.parameters())
+            def sample(module, *args, gatherable=gatherable):
+                seen["gathered"] = max(seen["gathered"], sum(storages(p.data for p in gatherable).values()))
+
             seen["gathered"] = 0
             hooks = [m.register_forward_pre_hook(sample) for m in model.modules()]  # after DeepSpeed's fetch
         for step in range(2):
@@ -180,13 +180,15 @@ def main() -> None:
         now = all_cpu_storages()
         other = sum(v for k, v in now.items() if k not in base and k not in counted)
         measured = {name: sum(t.values()) for name, t in terms.items()}
-        measured.update(other=other, gathered_in_forward=seen.get("gathered", 0), reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"])
+        measured.update(other=other, gathered_in_forward=seen.get("gathered", 0),
+                        reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"])
         target = mm.Target("cpu", mm.compute_dtype(cfg, "cpu"), 1, 32, world)
         states = mm.model_states(mm.profile_activations(config, target, ("keep",)), cfg, target)
         results[case] = {"measured": measured, "predicted": {k: getattr(states, k) for k in (
             "params", "grads", "optimizer", "buckets", "persistent", "gathered", "update", "host",
             "reduce_buckets", "reduce_scratch")}}
         del engine, model, opt, inner, params, opt_params, terms, counted
+        gatherable = None
         gc.collect()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -121,8 +121,9 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
     Each rank, each case, each term of model_states on its own: exact (measured so), but the
     ZeRO-1/2 gradient partition within 5% (rank 0's holds 65 KB more than n/world, rank 1's 256
     bytes; not traced to its source), and nothing left over that no term counts. The ZeRO-3
-    gathered set is sampled at every module's forward. A bound, not an equality: the ZeRO-1/2 reduction's flatten copy (the model counts a
-    whole bucket; the real copy is what of it one rank's partition holds)."""
+    gathered set is sampled at every module's forward. A bound, not an equality: the ZeRO-1/2
+    reduction's flatten copy (the model counts a whole bucket; the real copy is what of it one
+    rank's partition holds)."""
     from conftest import _env, _free_port
 
     launcher = str(__import__("pathlib").Path(sys.executable).with_name("deepspeed"))
