@@ -147,7 +147,9 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     master = 4 if (stage >= 1 or mixed) else 0
 
     params = c * n // (world if stage == 3 else 1)
-    grads = c * n // (world if stage >= 2 else 1)
+    # ZeRO-1 with overlap_comm reduces in the gradient hooks as ZeRO-2 does, freeing each .grad once
+    # it is in a bucket: only this rank's partition stays (measured, DeepSpeed 0.19.8, 2 ranks)
+    grads = c * n // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
     optimizer = (master + 8) * n // (world if stage >= 1 else 1)
     update = 4 * n // (world if stage >= 1 else 1) if mixed else 0
     buckets = persistent = gathered = 0
@@ -157,6 +159,12 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
                     if numel <= zero.param_persistence_threshold)
         persistent = c * small if world > 1 else 0  # in a world of one the partition is the parameter (measured)
         gathered = c * (profile.largest_layer_params + min(zero.prefetch_bucket_size, n))
+        if world > 1 and zero.max_reuse_distance >= 2 * n:
+            # DeepSpeed releases a gathered parameter only if no use of it lies within
+            # max_reuse_distance elements of the trace (forward and backward: ~2n); within reach, every
+            # non-persistent parameter stays whole from its forward to its backward (measured, 2 ranks,
+            # DeepSpeed 0.19.8). In a world of one the H100 calibration above holds (not re-measured).
+            gathered = max(gathered, c * (n - small))
     reduce_buckets = reduce_scratch = 0
     if stage in (1, 2):
         g = c  # the gradient dtype (data_types.grad_accum_dtype apart from it is not modelled)
@@ -166,10 +174,20 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
             largest_param = max((numel for numel, _ in profile.param_sizes), default=0)
             reduce_scratch = g * min(n, max(int(zero.reduce_bucket_size), largest_param))
     host = 0
-    if offload_opt:  # the update runs on the host: optimizer states and gradient partitions live there
-        host += optimizer + update + (grads if stage >= 2 else 0)
+    if offload_opt:
+        # The update runs on the host (measured, DeepSpeed 0.19.8, 2 ranks): the fp32 master and
+        # Adam's moments, the fp32 gradient partition it steps with (in fp32 training too), and a
+        # compute-dtype partition: ZeRO-1/2's bit16 buffer the update is copied back through, ZeRO-3's
+        # gradient partitions (on the offload device). ZeRO-1/2 stage each gradient through a buffer
+        # of the largest parameter's size on the device and one on the host.
+        host += optimizer + 4 * n // world + c * n // world
         optimizer = update = 0
-        grads = grads if stage < 2 else 0
+        if stage == 3:
+            grads = 0
+        else:  # ZeRO-1 without overlap_comm keeps its full .grad until the backward's end (not measured)
+            largest_param = max((numel for numel, _ in profile.param_sizes), default=0)
+            grads = (grads if stage == 1 and not zero.overlap_comm else 0) + c * largest_param
+            host += c * largest_param
     if offload_param:
         host += params
         params = 0

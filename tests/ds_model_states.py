@@ -1,0 +1,197 @@
+"""Launcher script for test_planner.test_model_states_match_deepspeed_per_term: real ZeRO engines, each
+model-state term measured from the engine's own tensors, beside memtrain's model_states.
+
+Run by `deepspeed --num_gpus 2 tests/ds_model_states.py OUT_DIR CASE...` (CPU gloo ranks); CASE is
+"<stage>", "<stage>+opt" (offload_optimizer to the CPU), "3+opt+param" (and offload_param) or
+"<stage>+nooverlap" (overlap_comm off; the JSON has it on).
+Each rank writes OUT_DIR/rank<r>.json: per case, the measured bytes of every term and the
+prediction. Terms are counted by tensor storage (views and aliases once), from the structures
+that hold them (DeepSpeed 0.19.8's attribute names), not from memtrain:
+  params      this rank's parameters: stage 1/2 the flat bit16 buffer; stage 3 its ds_tensor partitions
+  persistent  stage 3: the whole parameters kept on every rank (ds_persist), apart from their partitions
+  gathered    stage 3: non-persistent parameters still whole after the backward (DeepSpeed released them);
+              gathered_in_forward: the most of them whole at once in the forward (sampled at every
+              module's forward, after DeepSpeed's fetch)
+  grads       gradients on the device: stage 1/2 the parameters' .grad, the averaged and contiguous
+              gradient partitions; stage 3 the flat gradient-partition buffer
+  master      the fp32 master partitions the optimizer updates
+  adam        the optimizer's per-parameter state tensors (exp_avg, exp_avg_sq)
+  buckets     stage 3: the contiguous ipg reduce bucket
+  reduce_buckets / reduce_scratch  stage 1/2: the ipg buckets read just before the backward frees
+              them, and the largest copy its reduction flattens
+  host        what lives in the offload path: with offload_optimizer the optimizer's fp32 partitions,
+              their .grad and states, and ZeRO-3's gradient partitions (on its offload device) or
+              ZeRO-1/2's bit16 copy-back buffer and host gradient staging buffer; with offload_param
+              the parameter partitions
+  other       every other CPU tensor storage created since before the engine (should be ~0)
+Measured after the second backward (before its step): optimizer states exist, gradients are
+complete, no activation is alive. On CPU "host" and "device" are one memory: which side a term
+is on is read from DeepSpeed's layout (the offloaded optimizer's tensors), the bytes are real.
+"""
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def storages(tensors) -> dict[int, int]:
+    out = {}
+    for t in tensors:
+        if isinstance(t, (list, tuple)):
+            out.update(storages(t))
+        elif isinstance(t, torch.Tensor) and t.numel():
+            s = t.untyped_storage()
+            out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+def all_cpu_storages() -> dict[int, int]:
+    gc.collect()
+    return storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu")
+
+
+def main() -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from memtrain.config.ds_config import load_ds_config, resolve_ds_config
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory import estimate as mm
+    from memtrain.model.build import build_model
+    from memtrain.train.trainer import _skip_shm_comm_op
+
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]  # the launcher adds --local_rank
+    out_dir, cases = Path(args[0]), args[1:]
+    _skip_shm_comm_op()
+    deepspeed.init_distributed(verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
+    config = mm.model_and_config(recipe)
+    torch.manual_seed(rank)
+    ids = torch.randint(0, config.vocab_size, (1, 32))
+    root = Path(__file__).resolve().parents[1]
+    results = {}
+    for case in cases:
+        stage, *offload = case.split("+")
+        stage = int(stage)
+        raw = load_ds_config(str(root / "ds_configs" / "zero3_noac.json"))
+        raw.pop("tensorboard", None)
+        zero = raw["zero_optimization"]
+        # small buckets, so that no term is swamped by one (the model is ~0.9 M parameters)
+        zero.update(stage=stage, reduce_bucket_size=100000, stage3_prefetch_bucket_size=100000,
+                    stage3_param_persistence_threshold=1000)
+        if "opt" in offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+            # torch's AdamW on the host partitions (DeepSpeed's CPU Adam would JIT-build an op):
+            # the same two fp32 moments per element
+            raw["optimizer"]["params"]["torch_adam"] = True
+            raw["zero_force_ds_cpu_optimizer"] = False
+        if "nooverlap" in offload:
+            zero["overlap_comm"] = False
+        if "param" in offload:
+            zero["offload_param"] = {"device": "cpu"}
+        cfg = resolve_ds_config(raw, recipe, world, Path("unused"), 0)
+        base = all_cpu_storages()
+        with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage == 3):
+            model = build_model(recipe.model, config)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        opt = engine.optimizer
+        seen = {"reduce_buckets": 0, "reduce_scratch": 0, "backward": False}
+        if stage in (1, 2):
+            release, flatten = opt._release_ipg_buffers, opt.flatten
+
+            def _release(release=release, opt=opt):  # the backward's ipg buckets, just before DeepSpeed frees them
+                seen["reduce_buckets"] = max(seen["reduce_buckets"], sum(storages(
+                    b for bucket in opt.ipg_buckets.values() for b in bucket.buffer).values()))
+                release()
+
+            def _flatten(tensors, flatten=flatten):  # a copy the reduction makes (a view allocates nothing)
+                t = flatten(tensors)
+                ptr = t.untyped_storage().data_ptr()
+                if seen["backward"] and all(ptr != x.untyped_storage().data_ptr() for x in tensors):
+                    seen["reduce_scratch"] = max(seen["reduce_scratch"], t.untyped_storage().nbytes())
+                return t
+
+            opt._release_ipg_buffers, opt.flatten = _release, _flatten
+        if stage == 3:  # the largest gathered set in the forward: whole non-persistent parameters alive
+            gatherable = [p for p in model.parameters() if not getattr(p, "ds_persist", False)]
+
+            def sample(module, *args, gatherable=gatherable):
+                seen["gathered"] = max(seen["gathered"], sum(storages(p.data for p in gatherable).values()))
+
+            seen["gathered"] = 0
+            hooks = [m.register_forward_pre_hook(sample) for m in model.modules()]  # after DeepSpeed's fetch
+        for step in range(2):
+            loss = engine(input_ids=ids, labels=ids).loss
+            seen["backward"] = True
+            engine.backward(loss)
+            seen["backward"] = False
+            del loss
+            if step == 0:
+                engine.step()
+        if stage == 3:
+            for h in hooks:
+                h.remove()
+        params = list(model.parameters())
+        inner = opt.optimizer  # the torch optimizer DeepSpeed drives
+        opt_params = [p for g in inner.param_groups for p in g["params"]]
+        adam = storages(v for state in inner.state.values() for k, v in state.items() if k != "step")
+        if stage == 3:
+            param_parts = storages(p.ds_tensor for p in params)
+            whole = storages(p.data for p in params if getattr(p, "ds_persist", False))
+            persistent = {k: v for k, v in whole.items() if k not in param_parts}
+            gathered = storages(p.data for p in params if not getattr(p, "ds_persist", False))
+            grads = storages([opt.grad_partitions_flat_buffer])
+            master = storages(opt.fp32_partitioned_groups_flat)
+            buckets = storages(b.buffer for b in opt.ipg_buckets.values())
+        else:
+            param_parts = storages(p.data for p in params)
+            persistent, gathered, buckets = {}, {}, {}  # stage 1/2 gather nothing
+            grads = storages([p.grad for p in params] + list(opt.averaged_gradients.values())
+                             + [getattr(opt, "grads_in_partition", None)])
+            master = storages(opt.single_partition_of_fp32_groups)
+        master_grads = storages([p.grad for p in opt_params] + [t.grad for t in (
+            opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups)])
+        host = {}
+        if "opt" in offload:  # the offloaded optimizer's tensors: fp32 partitions, their gradients, states
+            host.update(master)
+            host.update(master_grads)
+            host.update(adam)
+            if stage == 3:  # DeepSpeed's gradient partitions live on its offload device (opt.device)
+                host.update(grads)
+            else:  # the bit16 buffer the update is copied back through, the host side of the gradient staging
+                host.update(storages(opt.param_buffer_of_bit16_for_cpu_offload_groups))
+                host.update(storages([opt.temp_grad_buffer_for_cpu_offload]))
+                grads.update(storages([opt.temp_grad_buffer_for_gpu_offload]))  # the device side
+            master, adam = {}, {}
+            grads = {k: v for k, v in grads.items() if k not in host}
+        else:
+            grads.update(master_grads)  # an fp32 gradient partition made for the update (none expected)
+        if "param" in offload:
+            host.update(param_parts)
+            param_parts = {}
+        terms = {"params": param_parts, "persistent": persistent, "gathered": gathered, "grads": grads,
+                 "master": master, "adam": adam, "buckets": buckets, "host": host}
+        counted = {}
+        for term in terms.values():
+            counted.update(term)
+        now = all_cpu_storages()
+        other = sum(v for k, v in now.items() if k not in base and k not in counted)
+        measured = {name: sum(t.values()) for name, t in terms.items()}
+        measured.update(other=other, gathered_in_forward=seen.get("gathered", 0),
+                        reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"])
+        target = mm.Target("cpu", mm.compute_dtype(cfg, "cpu"), 1, 32, world)
+        states = mm.model_states(mm.profile_activations(config, target, ("keep",)), cfg, target)
+        results[case] = {"measured": measured, "predicted": {k: getattr(states, k) for k in (
+            "params", "grads", "optimizer", "buckets", "persistent", "gathered", "update", "host",
+            "reduce_buckets", "reduce_scratch")}}
+        del engine, model, opt, inner, params, opt_params, terms, counted
+        gatherable = None
+        gc.collect()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
