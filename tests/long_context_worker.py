@@ -12,6 +12,7 @@ loss, no DeepSpeed), before Ulysses replaces transformers' sdpa for the process:
 
 Each engine takes one SGD step (lr 1, no clipping); the parameter change is -grad, gathered and
 compared with the reference's gradient. Writes one JSON line per case to the last argument on rank 0.
+Then memtrain's trainer runs 4 steps with parallel.sequence 2 into <that path>.run.
 """
 import copy
 import json
@@ -145,7 +146,14 @@ def main():
             for row in out:
                 f.write(json.dumps(row) + "\n")
     dist.barrier()
-    dist.destroy_process_group()
+    # last: memtrain's own trainer with parallel.sequence 2 (it ends the process group itself)
+    from memtrain.config.args import parse_args
+    from memtrain.train.trainer import train
+    run_dir = sys.argv[-1] + ".run"
+    train(parse_args(["--deepspeed", "ds_configs/zero3_ckpt.json", "--run-dir", run_dir, "--overwrite",
+                      *[x for o in OVERRIDES + ["parallel.sequence=2", "data.random_tokens=true", "train.max_steps=4",
+                                                "train.metric_warmup_steps=1", "train.log_every=1",
+                                                "train.save_checkpoints=false"] for x in ("--set", o)]]))
 
 
 if __name__ == "__main__":

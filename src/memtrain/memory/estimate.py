@@ -61,8 +61,11 @@ class Target:
     device: str  # "cuda" or "cpu"
     dtype: str  # compute dtype of activations: "float32" | "bfloat16" | "float16"
     micro_batch_size: int
-    seq_len: int
+    seq_len: int  # tokens one rank holds: the sequence over the sequence-parallel size
     world_size: int
+    loss: str = "standard"  # train.loss: fused | standard (memtrain.model.loss)
+    tiled_mlp: object = 0  # activation_checkpointing.tiled_mlp: slices, or "auto"
+    sequence_parallel: int = 1  # parallel.sequence (seq_len is already per rank)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -88,8 +91,10 @@ def compute_dtype(ds_config: dict, device: str) -> str:
 
 def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] = None) -> Target:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sp = recipe.parallel.sequence
     return Target(device, compute_dtype(ds_config, device), recipe.train.micro_batch_size,
-                  recipe.data.seq_len, world_size)
+                  max(recipe.data.seq_len // sp, 1), world_size, recipe.train.loss,
+                  recipe.activation_checkpointing.tiled_mlp, sp)
 
 
 # --------------------------------------------------------------------------- model states
@@ -435,8 +440,17 @@ def _run(model, modes, target: Target) -> dict:
 def _fake_model(config, num_layers: int, target: Target):
     from transformers import AutoModelForCausalLM
 
+    from memtrain.model.build import decoder_layers
+    from memtrain.model.loss import fused_unsupported, install_loss
+    from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
+
     with torch.device(_fake_device(target)):
         model = AutoModelForCausalLM.from_config(_layer_config(config, num_layers), dtype=target.torch_dtype)
+    # the run's loss and tiled MLPs, so the profile measures what they keep. Under sequence
+    # parallelism the profile is one rank's slice of tokens with all heads: the same bytes as
+    # Ulysses' full sequence on heads/sp (its all-to-all buffers are not modelled).
+    install_tiled_mlp(decoder_layers(model)[1], tiled_mlp_shards(target.tiled_mlp, target.seq_len, config.hidden_size))
+    install_loss(model, fused=target.loss == "fused" and not fused_unsupported(model, model.get_output_embeddings()))
     return model.train()
 
 
@@ -489,7 +503,9 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
         if mkey not in _MODE_COSTS:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
-            with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences():
+            from memtrain.model.attention import plain
+
+            with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences(), plain():
                 run = _run(_fake_model(config, 1, target), (mode,), target)
             _MODE_COSTS[mkey] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
                                  run["largest_block"])
@@ -535,8 +551,10 @@ def _layer_cost(run, outside_saved: int, keep: Optional[LayerCost] = None) -> La
 def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> ActivationProfile:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memtrain.model.attention import plain
+
     runs: dict[str, dict] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences():
+    with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences(), plain():
         model = _fake_model(config, 1, target)
         num_params, largest, param_sizes = _param_shapes(model, config.num_hidden_layers)
         for mode in modes:

@@ -122,6 +122,9 @@ def setup(model, sp: int, stage: int, micro_batch: int, seq_len: int):
         if _REGISTERED:
             raise UserError(f"parallel.sequence: this process already registered Ulysses attention for "
                             f"{next(iter(_REGISTERED))} (size, attention, micro batch, sequence); start a new process")
+        from memtrain.model import attention
+
+        attention.remember(model.config._attn_implementation)  # the planner's profile runs the plain one
         _REGISTERED[key] = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation=model.config._attn_implementation,
             sequence_parallel_size=sp, micro_batch_size=micro_batch, seq_length=seq_len, seq_length_is_variable=False)
