@@ -204,3 +204,93 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
     # tokens counted once: one sequence-parallel group of 2 ranks reads 2 x 64 tokens per step
     assert m["throughput/tokens_per_s"] * m["time/step_s"] == pytest.approx(2 * 64, rel=1e-6)
     assert "sequence parallel: 2 ranks per sequence" in proc.stdout
+
+
+# --------------------------------------------------------------------------- the planner's new terms
+
+def _allocator_peak(model, ids) -> int:
+    """Peak bytes the CPU allocator holds during one forward+backward, from torch.profiler's memory
+    events (as tests/test_planner.py measures); parameter gradients dropped as they accumulate (the
+    memory model counts them with the model states)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _planned_and_measured(sets, layers=2, batch=4, seq=256):
+    from memtrain.config.ds_config import ac_section
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory import estimate as mm
+    from memtrain.memory.planner import predict_run
+    from memtrain.recompute.hooks import apply_plan
+    from memtrain.recompute.policy import build_plan
+
+    recipe = load_recipe(None, [f"train.micro_batch_size={batch}", f"data.seq_len={seq}",
+                                f"model.config.num_hidden_layers={layers}", *sets])
+    config = mm.model_and_config(recipe)
+    target = mm.make_target(recipe, {}, 1, "cpu")
+    plan = build_plan("full", "torch", ac_section({}), layers)
+    pred = predict_run(recipe, json.loads(DS.read_text()), 1, plan, config, target)
+    torch.manual_seed(0)
+    model = mm._fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
+    apply_plan(model, plan)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return pred, _allocator_peak(model, ids)
+
+
+def test_planner_logits_term_standard_and_fused_match_the_allocator():
+    """A 32,000-token vocabulary: the predicted activation peak with the standard and the fused loss,
+    and the difference between them (the logits term), against the CPU allocator (5%)."""
+    vocab = ["model.config.vocab_size=32000"]
+    std_pred, std_meas = _planned_and_measured([*vocab, "train.loss=standard"])
+    fused_pred, fused_meas = _planned_and_measured([*vocab, "train.loss=fused"])
+    assert std_pred.activation_peak == pytest.approx(std_meas, rel=0.05)
+    assert fused_pred.activation_peak == pytest.approx(fused_meas, rel=0.05)
+    assert (std_pred.activation_peak - fused_pred.activation_peak) == pytest.approx(std_meas - fused_meas, rel=0.05)
+    assert std_pred.logits_and_loss > 8 * fused_pred.logits_and_loss
+
+
+def test_planner_tiled_mlp_working_set_matches_the_allocator():
+    """A wide MLP over 1,024 tokens, untiled and in 8 slices: the predicted activation peak against
+    the CPU allocator (5%), and the tiling's saving."""
+    wide = ["model.config.intermediate_size=2048", "model.config.max_position_embeddings=1024", "train.loss=fused"]
+    plain_pred, plain_meas = _planned_and_measured(wide, batch=1, seq=1024)
+    tiled_pred, tiled_meas = _planned_and_measured([*wide, "activation_checkpointing.tiled_mlp=8"], batch=1, seq=1024)
+    assert plain_pred.activation_peak == pytest.approx(plain_meas, rel=0.05)
+    assert tiled_pred.activation_peak == pytest.approx(tiled_meas, rel=0.05)
+    assert tiled_meas < plain_meas
+
+
+def test_planner_host_memory_of_offloaded_inputs_and_sequence_parallel_tokens():
+    """Offloaded checkpoint inputs on the host: layers x tokens x hidden x bytes (all but the last
+    layer, which keeps its input); under parallel.sequence the target holds seq / sp tokens."""
+    from memtrain.config.ds_config import ac_section
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory import estimate as mm
+    from memtrain.memory.planner import predict_run
+    from memtrain.recompute.policy import build_plan
+
+    ds = json.loads(DS.read_text())
+    ds["activation_checkpointing"]["cpu_checkpointing"] = True
+    for sp in (1, 2):
+        recipe = load_recipe(None, ["data.seq_len=256", "train.micro_batch_size=2", f"parallel.sequence={sp}"])
+        target = mm.make_target(recipe, ds, 2, "cpu")
+        assert target.seq_len == 256 // sp
+        plan = build_plan("full", "torch", ac_section(ds), 4, section=recipe.activation_checkpointing)
+        pred = predict_run(recipe, ds, 2, plan, None, target)
+        assert pred.host_activations == 3 * 2 * (256 // sp) * 128 * 4, sp

@@ -422,6 +422,7 @@ def _run(model, modes, target: Target) -> dict:
             with meter.measure():
                 loss = model(input_ids=ids, labels=ids).loss
             state["backward"] = True
+            tracker.mark("backward")
             loss.backward()
             del loss
             tracker.mark("end")
@@ -429,7 +430,12 @@ def _run(model, modes, target: Target) -> dict:
         for h in handles:
             h.remove()
         remove_plan(model)
-    grads = {tracker.serial(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
+    # Parameter gradients count with the model states, except a gradient made in the forward: the
+    # fused loss (torch's linear_cross_entropy) computes lm_head's full weight gradient there and
+    # holds it through the backward, an activation-like transient the model states do not hold.
+    backward_start = tracker.marks["backward"][0]
+    grads = {serial for p in model.parameters() if p.grad is not None
+             for serial in [tracker.serial(p.grad.untyped_storage())] if serial is None or serial >= backward_start}
     for p in model.parameters():
         p.grad = None
     return {"curve": tracker.curve(grads), "marks": tracker.marks, "saved": meter.bytes,
