@@ -3,9 +3,12 @@ recompute policy x offload of checkpointed inputs x loss (standard/fused) x tile
 parallelism, and which memory runs out first: the device's or the host's.
 
 Per combination, one rank's activation profile is measured on fake tensors (memtrain.memory.estimate,
-with the run's loss and tiled MLPs installed) at three per-rank token counts and fitted, field by
-field, with c + a*T + b*T^2 through the three points (attention's saved bytes and FLOPs carry T^2,
-the rest T; a tiled MLP's slice with `auto` slices is a constant). Sequence parallelism divides the
+with the run's loss and tiled MLPs installed) at two long per-rank token counts (32 and 64 times
+the hidden size) and extended field by field along the line through them. Memory on a GPU is
+linear in the tokens (flash/efficient attention keeps no T x T scores; a tiled MLP with `auto`
+slices is a constant); the fused loss's chunked working set grows slower than linearly, so the
+line overestimates it a little (a quadratic through three points was tried and extrapolated the
+chunking's steps far too steeply). Sequence parallelism divides the
 sequence over its ranks, so a sequence S puts T = S / sp tokens on each rank. The host side is
 what offloaded checkpointed inputs take (L x T x hidden x bytes per rank, from the profile) plus
 offloaded model states, for every rank of a node.
@@ -30,18 +33,12 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _fit3(profiles: list[ActivationProfile], tokens: int) -> ActivationProfile:
-    """Every int/float field of the profile through three measured token counts (Lagrange, degree 2)."""
-    ts = [p.target.seq_len for p in profiles]
+def _fit(profiles: list[ActivationProfile], tokens: int) -> ActivationProfile:
+    """Every int/float field of the profile on the line through two measured token counts."""
+    (t1, t2) = [p.target.seq_len for p in profiles]
 
     def fit(values):
-        v = 0.0
-        for i, (ti, vi) in enumerate(zip(ts, values)):
-            w = 1.0
-            for j, tj in enumerate(ts):
-                if j != i:
-                    w *= (tokens - tj) / (ti - tj)
-            v += w * vi
+        v = max(values[0] + (values[1] - values[0]) * (tokens - t1) / (t2 - t1), 0)
         return int(round(v)) if isinstance(values[0], int) else v
 
     def fields(objs):
@@ -87,7 +84,7 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
     base = make_target(recipe, ds_config, world, device)
     base = replace(base, sequence_parallel=1)
     hidden = config.hidden_size
-    probe = [hidden * k for k in (8, 16, 32)]  # per-rank tokens measured (multiples of hidden: whole slices)
+    probe = [hidden * k for k in (32, 64)]  # per-rank tokens measured (multiples of hidden: whole slices)
     losses = ["standard"] + ([] if fused_unsupported(config) else ["fused"])
     skip_last = recipe.activation_checkpointing.offload_skip_last
     ranks_per_node = min(world, RANKS_PER_NODE)
@@ -102,7 +99,7 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
                     choices = _choices(choice, profiles[0].num_layers, skip_last)
 
                     def pred(tokens):
-                        return predict(_fit3(profiles, tokens), states, choices)
+                        return predict(_fit(profiles, tokens), states, choices)
 
                     def host(tokens):
                         return (pred(tokens).host_activations + states.host) * ranks_per_node
@@ -115,6 +112,7 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
                            "max_seq": tokens * sp, "tokens_per_rank": tokens,
                            "runs_out_first": "device" if dev_t <= host_t else "host",
                            "device_peak_gib": pred(tokens).peak / GIB if tokens else None,
+                           "peak_at": pred(tokens).phase if tokens else None,
                            "host_gib": host(tokens) / GIB if tokens else None}
                     if tokens == limit // sp:
                         row["runs_out_first"] = f"neither below {limit} tokens"
@@ -129,13 +127,15 @@ def format_max_seq(r: dict) -> str:
              f"{r['device']}; device budget {r['budget_gib']:g} GiB, host budget {r['host_budget_gib']:.0f} GiB "
              f"per node ({r['ranks_per_node']} rank(s) per node)",
              f"one rank's activations measured on fake tensors at {', '.join(map(str, r['probe_tokens_per_rank']))} "
-             "tokens per rank and fitted (c + aT + bT^2)", ""]
-    head = ["policy", "loss", "tiled MLP", "SP", "max seq", "tokens/rank", "device GiB", "host GiB/node", "runs out first"]
+             "tokens per rank, extended linearly", ""]
+    head = ["policy", "loss", "tiled MLP", "SP", "max seq", "tokens/rank", "device GiB", "host GiB/node", "runs out first",
+            "device peak at"]
     rows = [[x["policy"], x["loss"], str(x["tiled_mlp"] or "-"), str(x["sequence_parallel"]), f"{x['max_seq']:,}",
              f"{x['tokens_per_rank']:,}", "-" if x["device_peak_gib"] is None else f"{x['device_peak_gib']:.2f}",
-             "-" if x["host_gib"] is None else f"{x['host_gib']:.1f}", x["runs_out_first"]] for x in r["rows"]]
+             "-" if x["host_gib"] is None else f"{x['host_gib']:.1f}", x["runs_out_first"], x["peak_at"] or "-"]
+            for x in r["rows"]]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
-    fmt = lambda cells: "  ".join(str(c).ljust(w) if i < 4 or i == 8 else str(c).rjust(w)  # noqa: E731
+    fmt = lambda cells: "  ".join(str(c).ljust(w) if i < 4 or i >= 8 else str(c).rjust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths)))
     lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows]
     lines.append("(max seq: the longest sequence whose predicted peak fits the device budget and whose offloaded "
