@@ -294,3 +294,22 @@ def test_planner_host_memory_of_offloaded_inputs_and_sequence_parallel_tokens():
         plan = build_plan("full", "torch", ac_section(ds), 4, section=recipe.activation_checkpointing)
         pred = predict_run(recipe, ds, 2, plan, None, target)
         assert pred.host_activations == 3 * 2 * (256 // sp) * 128 * 4, sp
+
+
+def test_plan_max_seq(capsys):
+    """`make plan BUDGET=... ARGS=--max-seq`: one row per policy x loss x tiled MLP x SP; the fused
+    loss, tiled MLPs and SP each lengthen what fits; a small host budget binds offloaded runs."""
+    from memtrain.tools import plan as plan_cli
+
+    plan_cli.main(["--json", "--max-seq", "--budget", "1GiB", "--host-budget", "40MiB", "--ngpus", "2",
+                   "--set", "model.config.vocab_size=32000"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 3 * 2 * 2 * 2  # policies x losses x tiled x SP sizes (1, 2)
+    at = {(r["policy"], r["loss"], r["tiled_mlp"], r["sequence_parallel"]): r for r in rows}
+    assert at["full", "fused", 0, 1]["max_seq"] > at["full", "standard", 0, 1]["max_seq"]
+    assert at["none", "fused", "auto", 1]["max_seq"] > at["none", "fused", 0, 1]["max_seq"]
+    assert at["full", "fused", 0, 2]["max_seq"] > at["full", "fused", 0, 1]["max_seq"]
+    assert at["full", "fused", 0, 2]["tokens_per_rank"] * 2 == at["full", "fused", 0, 2]["max_seq"]
+    offload = at["full+offload", "fused", "auto", 1]
+    assert offload["runs_out_first"] == "host" and offload["host_gib"] <= 40 / 1024
+    assert at["full", "fused", 0, 1]["runs_out_first"] == "device"
