@@ -52,14 +52,19 @@ def prepare(model, recipe, stage: int) -> LongContext:
     return LongContext(mpu=mpu, sp=sp, loss=loss, lines=lines)
 
 
-def check(recipe, ds_config: dict, source: str, config, world: int) -> None:
-    """Preflight: every reason the long-sequence settings cannot run, as one UserError line."""
-    from memtrain.config.ds_config import zero_stage
-
+def check_json(recipe, ds_config: dict, source: str) -> None:
+    """Preflight: the JSON's sequence_parallel_size agrees with parallel.sequence (or is "auto")."""
     sp = recipe.parallel.sequence
     json_sp = ds_config.get("sequence_parallel_size", "auto")
     if json_sp != "auto" and json_sp != sp:
         raise UserError(f"{source}: sequence_parallel_size: {json_sp} disagrees with the recipe's "
                         f"parallel.sequence={sp}; write \"auto\" or make them equal")
+
+
+def check(recipe, ds_config: dict, config, world: int) -> None:
+    """Preflight: every reason the recipe's long-sequence settings cannot run, as one UserError line."""
+    from memtrain.config.ds_config import zero_stage
+
+    sp = recipe.parallel.sequence
     sequence_parallel.check(sp, config, recipe.data.seq_len, world, zero_stage(ds_config),
                             getattr(config, "_attn_implementation", None))
