@@ -153,7 +153,7 @@ def main():
     train(parse_args(["--deepspeed", "ds_configs/zero3_ckpt.json", "--run-dir", run_dir, "--overwrite",
                       *[x for o in OVERRIDES + ["parallel.sequence=2", "data.random_tokens=true", "train.max_steps=4",
                                                 "train.metric_warmup_steps=1", "train.log_every=1",
-                                                "train.save_checkpoints=false"] for x in ("--set", o)]]))
+                                                ] for x in ("--set", o)]]))
 
 
 if __name__ == "__main__":

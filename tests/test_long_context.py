@@ -204,6 +204,8 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
     # tokens counted once: one sequence-parallel group of 2 ranks reads 2 x 64 tokens per step
     assert m["throughput/tokens_per_s"] * m["time/step_s"] == pytest.approx(2 * 64, rel=1e-6)
     assert "sequence parallel: 2 ranks per sequence" in proc.stdout
+    from memtrain.train import checkpoint
+    assert checkpoint.has_checkpoint(tmp_path / "cases.jsonl.run" / "checkpoints")  # saved under the Ulysses mpu
 
 
 # --------------------------------------------------------------------------- the planner's new terms
