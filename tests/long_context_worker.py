@@ -14,9 +14,7 @@ Each engine takes one SGD step (lr 1, no clipping); the parameter change is -gra
 compared with the reference's gradient. Writes one JSON line per case to the last argument on rank 0.
 Then memtrain's trainer runs 4 steps with parallel.sequence 2 into <that path>.run.
 """
-import copy
 import json
-import os
 import sys
 
 import torch
@@ -129,7 +127,6 @@ def main():
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
     from memtrain.train.sequence_parallel import _REGISTERED
     mpu = next(iter(_REGISTERED.values()))
-    sp = engine_sp = None
     full = {"input_ids": ids[0], "labels": ids[0],
             "position_ids": torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()}
     adapter = UlyssesSPDataLoaderAdapter([full], mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(),
