@@ -82,7 +82,8 @@ bench: setup
 	$(BIN)/python -m memtrain.tools.bench $(RECIPE_ARG) $(ARGS)
 
 ## gpu-check: the GPU acceptance run (llama-1b, seq 2048, bf16, 30 steps per set-up: none, full, full+offload, op,
-## auto at half of none's peak, plain PyTorch) -> reports/gpu/<device>.md; without a GPU: one line, exit 0
+## auto at half of none's peak, plain PyTorch) -> reports/gpu/<device>.md, then long sequences (llama-8b-long at 256K,
+## qwen2-1.5b-long at 1M, fused vs standard at 8K) -> reports/gpu/<device>-long.md; without a GPU: one line, exit 0
 gpu-check: setup
 	$(BIN)/python -m memtrain.tools.bench --gpu-check $(ARGS)
 

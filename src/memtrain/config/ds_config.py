@@ -69,7 +69,9 @@ def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path,
     t = recipe.train
     _fill(cfg, "train_micro_batch_size_per_gpu", t.micro_batch_size, if_missing=True)
     _fill(cfg, "gradient_accumulation_steps", t.grad_accum_steps, if_missing=True)
-    _fill(cfg, "train_batch_size", t.micro_batch_size * t.grad_accum_steps * world_size, if_missing=True)
+    sp = recipe.parallel.sequence  # DeepSpeed counts a sequence-parallel group as one data-parallel rank
+    _fill(cfg, "sequence_parallel_size", sp, if_missing=True)
+    _fill(cfg, "train_batch_size", t.micro_batch_size * t.grad_accum_steps * max(world_size // sp, 1), if_missing=True)
     _fill(cfg, "gradient_clipping", t.grad_clip)
     _fill(cfg, "optimizer.params.lr", t.lr)
     _fill(cfg, "optimizer.params.weight_decay", t.weight_decay)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
@@ -93,6 +93,10 @@ class TrainSection(_Strict):
     """false: no model checkpoint at all, not at the end nor on a stop signal (benchmarks)."""
     peak_tflops: Optional[PositiveFloat] = None
     """Peak dense TFLOP/s of one device, for MFU. Auto-detected for known GPUs."""
+    loss: Literal["fused", "standard"] = "fused"
+    """fused: lm_head and cross-entropy in chunks (torch's linear_cross_entropy), never the full fp32
+    logits; falls back to standard where the model transforms its logits (the plan says so).
+    standard: HF's lm_head then cross_entropy on the full logits (memtrain.model.loss)."""
 
 
 class ACSection(_Strict):
@@ -118,6 +122,9 @@ class ACSection(_Strict):
     cpu_checkpointing_impl: Literal["memtrain", "deepspeed"] = "memtrain"
     """Who offloads when the JSON's cpu_checkpointing is on: memtrain (memtrain.recompute.offload, either
     backend) or DeepSpeed's own CPU_CHECKPOINT (for comparison; needs the deepspeed backend)."""
+    tiled_mlp: Union[Literal["auto"], NonNegativeInt] = 0
+    """Run each decoder layer's MLP in N slices of the sequence (DeepSpeed's TiledMLP; the backward
+    recomputes a slice): auto = ceil(tokens per rank / hidden); 0 or 1: untiled (memtrain.model.tiled_mlp)."""
     memory_budget: Optional[PositiveFloat] = None
     """policy 'auto': GiB per device (or a size: 40GiB, 80GB; memtrain.units) the predicted peak must fit (memtrain.memory.planner picks, per layer,
     keep/op/attn/mlp/full/full+offload with the least predicted step time). On CPU the budget
@@ -134,12 +141,20 @@ class ACSection(_Strict):
         return value
 
 
+class ParallelSection(_Strict):
+    sequence: PositiveInt = 1
+    """Ulysses sequence parallelism: N consecutive ranks split each sequence (DeepSpeed's
+    UlyssesSPAttentionHF; memtrain.train.sequence_parallel). The JSON's sequence_parallel_size is
+    filled from it. Needs ZeRO >= 1 and attn_implementation sdpa or flash attention."""
+
+
 class Recipe(_Strict):
     name: str = DEFAULT_RECIPE_NAME
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     train: TrainSection = Field(default_factory=TrainSection)
     activation_checkpointing: ACSection = Field(default_factory=ACSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
 
 
 # --------------------------------------------------------------------------- loading

@@ -59,8 +59,11 @@ class Target:
     device: str  # "cuda" or "cpu"
     dtype: str  # compute dtype of activations: "float32" | "bfloat16" | "float16"
     micro_batch_size: int
-    seq_len: int
+    seq_len: int  # tokens one rank holds: the sequence over the sequence-parallel size
     world_size: int
+    loss: str = "standard"  # train.loss: fused | standard (memtrain.model.loss)
+    tiled_mlp: object = 0  # activation_checkpointing.tiled_mlp: slices, or "auto"
+    sequence_parallel: int = 1  # parallel.sequence (seq_len is already per rank)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -86,8 +89,10 @@ def compute_dtype(ds_config: dict, device: str) -> str:
 
 def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] = None) -> Target:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sp = recipe.parallel.sequence
     return Target(device, compute_dtype(ds_config, device), recipe.train.micro_batch_size,
-                  recipe.data.seq_len, world_size)
+                  max(recipe.data.seq_len // sp, 1), world_size, recipe.train.loss,
+                  recipe.activation_checkpointing.tiled_mlp, sp)
 
 
 # --------------------------------------------------------------------------- model states
@@ -344,6 +349,7 @@ def _run(model, modes, target: Target) -> dict:
             with meter.measure():
                 loss = model(input_ids=ids, labels=ids).loss
             state["backward"] = True
+            tracker.mark("backward")
             loss.backward()
             del loss
             tracker.mark("end")
@@ -351,7 +357,12 @@ def _run(model, modes, target: Target) -> dict:
         for h in handles:
             h.remove()
         remove_plan(model)
-    grads = {tracker.serial(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
+    # Parameter gradients count with the model states, except a gradient made in the forward: the
+    # fused loss (torch's linear_cross_entropy) computes lm_head's full weight gradient there and
+    # holds it through the backward, an activation-like transient the model states do not hold.
+    backward_start = tracker.marks["backward"][0]
+    grads = {serial for p in model.parameters() if p.grad is not None
+             for serial in [tracker.serial(p.grad.untyped_storage())] if serial is None or serial >= backward_start}
     for p in model.parameters():
         p.grad = None
     return {"curve": tracker.curve(grads), "marks": tracker.marks, "saved": meter.bytes,
@@ -362,8 +373,17 @@ def _run(model, modes, target: Target) -> dict:
 def _fake_model(config, num_layers: int, target: Target):
     from transformers import AutoModelForCausalLM
 
+    from memtrain.model.build import decoder_layers
+    from memtrain.model.loss import fused_unsupported, install_loss
+    from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
+
     with torch.device(_fake_device(target)):
         model = AutoModelForCausalLM.from_config(_layer_config(config, num_layers), dtype=target.torch_dtype)
+    # the run's loss and tiled MLPs, so the profile measures what they keep. Under sequence
+    # parallelism the profile is one rank's slice of tokens with all heads: the same bytes as
+    # Ulysses' full sequence on heads/sp (its all-to-all buffers are not modelled).
+    install_tiled_mlp(decoder_layers(model)[1], tiled_mlp_shards(target.tiled_mlp, target.seq_len, config.hidden_size))
+    install_loss(model, fused=target.loss == "fused" and not fused_unsupported(model, model.get_output_embeddings()))
     return model.train()
 
 
@@ -416,7 +436,9 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
         if mkey not in _MODE_COSTS:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
-            with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences():
+            from memtrain.model.attention import plain
+
+            with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences(), plain():
                 run = _run(_fake_model(config, 1, target), (mode,), target)
             _MODE_COSTS[mkey] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
                                  run["largest_block"])
@@ -462,8 +484,10 @@ def _layer_cost(run, outside_saved: int, keep: Optional[LayerCost] = None) -> La
 def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> ActivationProfile:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memtrain.model.attention import plain
+
     runs: dict[str, dict] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences():
+    with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences(), plain():
         model = _fake_model(config, 1, target)
         num_params, largest, param_sizes = _param_shapes(model, config.num_hidden_layers)
         for mode in modes:

@@ -29,7 +29,7 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise UserError(f"model.type: unknown transformers model type '{section.type}'{hint}")
         default = CONFIG_MAPPING[section.type]()
-        known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+        known = set(default.to_dict()) | set(getattr(default, "attribute_map", {})) | {"attn_implementation"}
         for key in section.config:
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)

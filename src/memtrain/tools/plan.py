@@ -247,12 +247,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="device the run will use (default: this machine's); cuda also turns bf16 'auto' on")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--max-seq", action="store_true",
+                   help="with --budget: the longest sequence that fits per policy x offload x loss x tiled MLP x "
+                        "sequence parallelism, and whether device or host memory runs out first")
+    p.add_argument("--host-budget", help="host memory per node for --max-seq (default: this machine's)")
     args = p.parse_args(argv)
     if args.ngpus < 1:
         raise UserError(f"--ngpus: must be positive (got {args.ngpus})")
     budget = parse_size(args.budget, "--budget") if args.budget else None
     recipe = load_recipe(args.recipe, args.overrides)
     ds_config = load_ds_config(args.deepspeed)
+    if args.max_seq:
+        from memtrain.tools.max_seq import format_max_seq, host_memory_bytes, max_seq_report
+
+        if budget is None:
+            raise UserError("--max-seq: needs --budget (make plan BUDGET=80GiB ARGS=--max-seq)")
+        host = parse_size(args.host_budget, "--host-budget") if args.host_budget else host_memory_bytes()
+        with contextlib.redirect_stdout(sys.stderr):
+            report = max_seq_report(recipe, ds_config, args.ngpus, args.device, budget, host)
+        print(json.dumps(report, indent=2) if args.json else format_max_seq(report))
+        return
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the result
         report = plan_report(recipe, ds_config, args.ngpus, args.device, budget)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

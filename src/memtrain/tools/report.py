@@ -311,6 +311,10 @@ def write_report(sweep: Sweep, budget: Optional[float] = None, out_root: Path = 
     write_markdown(sweep, rows, swept, mem, budget, out / "summary.md")
     plot_throughput_vs_memory(sweep, rows, swept, mem, budget, out / "throughput_vs_memory.png")
     plot_activation_memory(sweep, rows, swept, out / "activation_memory.png")
+    from memtrain.tools.report_seq import plot_vs_seq_len
+
+    plot_vs_seq_len(sweep, rows, short_names(list(sweep.points[0].values)), mem, MEMORY_AXES[mem],
+                    out / "seq_len.png")
     return out
 
 
@@ -324,7 +328,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     sweep = load_sweep(args.sweep)
     out = write_report(sweep, budget)
     print((out / "summary.md").read_text().splitlines()[0])
-    print(f"report: {out}/summary.md, summary.csv, throughput_vs_memory.png, activation_memory.png")
+    extra = ", seq_len.png" if (out / "seq_len.png").exists() else ""
+    print(f"report: {out}/summary.md, summary.csv, throughput_vs_memory.png, activation_memory.png{extra}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from memtrain.train import checkpoint
+from memtrain.train import checkpoint, long_context
 from memtrain.recompute.policy import ACPlan, build_plan, effective_policy
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
@@ -333,7 +333,8 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     """Every check, cheapest first; raises UserError on the first mistake."""
     recipe, source = args.recipe, args.ds_config_path
     warnings = check_ds_json(args.ds_config, source)
-    check_batch(args.ds_config, source, recipe, world_size)
+    long_context.check_json(recipe, args.ds_config, source)
+    check_batch(args.ds_config, source, recipe, world_size // recipe.parallel.sequence or 1)
     check_run_dir(args, world_size)
     recipe_source = args.recipe_path or "embedded recipe 'tiny'"
     try:  # these name a recipe key path; say which recipe too
@@ -351,6 +352,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         else:
             plan = build_plan(policy, recipe.activation_checkpointing.backend, ds_ac, config.num_hidden_layers,
                               section=recipe.activation_checkpointing, device=run_device())  # also rejects op-level under reentrant
+        long_context.check(recipe, args.ds_config, config, world_size)
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
     deepspeed_accepts(args.ds_config, resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"),

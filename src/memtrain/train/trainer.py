@@ -30,6 +30,7 @@ from memtrain.units import GIB
 from memtrain.train.metrics import IntervalTimer, device_memory, host_rss_gib, medians, reset_device_peak
 from memtrain.model.build import build_model
 from memtrain.train.preflight import check_run
+from memtrain.train import long_context
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -221,11 +222,16 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     _seed_everything(t.seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero_stage(ds_config) == 3):
         model = build_model(recipe.model, config)
+    longctx = long_context.prepare(model, recipe, zero_stage(ds_config))  # tiled MLP, sequence parallel, loss
+    sp = longctx.sp
+    if rank == 0:
+        print("\n".join(longctx.lines), flush=True)
     if plan.backend == "deepspeed":
         configure_deepspeed_ac(ds_config, plan)
     apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
     model.train()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                     mpu=longctx.mpu)
     device = engine.device  # every tensor that meets a collective lives here
 
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
@@ -236,7 +242,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     recompute = _recompute_flops(config, recipe.data.seq_len, plan)
     hardware_flops_per_token = None if recompute is None else flops_per_token + recompute
     peak_tflops = t.peak_tflops or device_peak_tflops()
-    tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
+    tokens_per_step = sp.data_world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
     every = log_every(t, args.ds_config)
     meter = ActivationMeter()
     timer = IntervalTimer(device)
@@ -258,9 +264,10 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         measure = step == interval_start  # activation bytes of one forward per interval
         loss_sum = torch.zeros((), device=device)
         for micro in range(t.grad_accum_steps):
-            ids = to_device(data.batch(step, micro, rank, world, t.micro_batch_size, t.grad_accum_steps), device)
+            ids = to_device(data.batch(step, micro, sp.data_rank, sp.data_world, t.micro_batch_size,
+                                       t.grad_accum_steps), device)
             with meter.measure() if measure and micro == 0 else nullcontext():
-                loss = engine(input_ids=ids, labels=ids).loss
+                loss = engine(**sp.slice_batch(ids)).loss
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().float()
@@ -285,7 +292,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         progress.step = done
         steps = done - interval_start
         row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, tokens_per_step, world,
-                                t.micro_batch_size * t.grad_accum_steps, flops_per_token, hardware_flops_per_token,
+                                sp.data_world, t.micro_batch_size * t.grad_accum_steps, flops_per_token, hardware_flops_per_token,
                                 peak_tflops, meter.bytes)
         if predicted_peak is not None:  # memtrain's prediction, beside the measured figures
             row["memory/predicted_peak_gib"] = predicted_peak / GIB
@@ -374,7 +381,7 @@ def _clear_run(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_rank, flops_per_token,
+def _interval_metrics(engine, loss, step_s, tokens_per_step, world, data_world, samples_per_rank, flops_per_token,
                       hardware_flops_per_token, peak_tflops, activation_bytes) -> dict[str, float]:
     """One TensorBoard point per log interval: means over its steps, peaks over its steps."""
     allocated, reserved = device_memory()
@@ -384,7 +391,7 @@ def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_
         "train/loss": loss,
         "train/lr": float(engine.get_lr()[0]),
         "throughput/tokens_per_s": tokens_per_s,
-        "throughput/samples_per_s": world * samples_per_rank / step_s,
+        "throughput/samples_per_s": data_world * samples_per_rank / step_s,
         "throughput/tflops_per_device": tflops,
         "time/step_s": step_s,
         "memory/peak_allocated_gib": allocated,

@@ -12,7 +12,8 @@ GPUs the trainer runs on all of them through the deepspeed launcher; tokens/s is
 
 `--gpu-check`: the fixed acceptance run on `recipes/llama-1b.yaml` (30 steps per set-up: none,
 full, full + offload, op, auto with half of none's peak as budget, plain PyTorch) written to
-`reports/gpu/<device>.md`. Without a GPU it says so in one line and exits 0; `make bench`
+`reports/gpu/<device>.md`; then the long-sequence part (memtrain.tools.bench.long_seq) written to
+`reports/gpu/<device>-long.md`. Without a GPU it says so in one line and exits 0; `make bench`
 without a GPU runs a tiny CPU smoke pass of the same code instead.
 """
 from __future__ import annotations
@@ -218,6 +219,23 @@ def gpu_check(args) -> None:
     print(f"written: {out / (_slug(device) + '.md')}" + (f"; failed set-ups' output: {out / 'failed.log'}"
                                                          if failed else ""), flush=True)
     shutil.rmtree(run.tmp, ignore_errors=True)
+
+    # long sequences on one GPU (memtrain.tools.bench.long_seq)
+    from memtrain.tools.bench.long_seq import long_part_markdown, run_long_part
+
+    runners = []
+
+    def make_runner(recipe, ds_path, steps, warmup):
+        runners.append(Runner(recipe, [], ds_path, steps, warmup, 1))
+        return runners[-1]
+
+    long_results = run_long_part(make_runner, tqdm.write)
+    long_report = f"## memtrain gpu-check, long sequences, on 1 x {device}\n\n" + long_part_markdown(long_results)
+    print(long_report, flush=True)
+    (out / f"{_slug(device)}-long.md").write_text(long_report + "\n")
+    (out / f"{_slug(device)}-long.json").write_text(json.dumps({"results": long_results}, indent=2))
+    for r in runners:
+        shutil.rmtree(r.tmp, ignore_errors=True)
 
 
 @cli_entry

@@ -1,0 +1,70 @@
+"""Apply the long-sequence settings of a recipe to a built model: tiled MLPs, sequence parallelism
+and the loss (fused or standard). Returns what deepspeed.initialize needs and the plan's lines."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memtrain.errors import UserError
+from memtrain.model.build import decoder_layers
+from memtrain.model.loss import fused_unsupported, install_loss
+from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
+from memtrain.train import sequence_parallel
+
+
+@dataclass
+class LongContext:
+    mpu: Any
+    sp: sequence_parallel.SequenceParallel
+    loss: str  # the loss actually used: fused | standard
+    lines: list[str] = field(default_factory=list)  # for the start-up plan
+
+
+def describe_loss(recipe, config) -> tuple[str, str]:
+    """(loss used, one line for the plan)."""
+    if recipe.train.loss == "standard":
+        return "standard", "loss: standard (lm_head, then cross-entropy on the full fp32 logits)"
+    reason = fused_unsupported(config)
+    if reason:
+        return "standard", f"loss: standard, not fused: {reason}"
+    return "fused", "loss: fused (torch linear_cross_entropy: lm_head + cross-entropy in chunks, no full logits)"
+
+
+def prepare(model, recipe, stage: int) -> LongContext:
+    """Call after init_distributed (and any zero.Init), before apply_plan and deepspeed.initialize."""
+    sp_size = recipe.parallel.sequence
+    seq = recipe.data.seq_len
+    lines = []
+    shards = tiled_mlp_shards(recipe.activation_checkpointing.tiled_mlp, seq // sp_size, model.config.hidden_size)
+    _, layers = decoder_layers(model)
+    if install_tiled_mlp(layers, shards):
+        lines.append(f"tiled MLP: {shards} slices of {seq // sp_size // shards}+ tokens in each of {len(layers)} layers")
+    mpu, sp = sequence_parallel.setup(model, sp_size, stage, recipe.train.micro_batch_size, seq)
+    if sp.size > 1:
+        lines.append(f"sequence parallel: {sp.size} ranks per sequence ({seq // sp.size} tokens each), "
+                     f"{sp.data_world} data-parallel group(s); Ulysses attention replaces "
+                     f"'{model.config._attn_implementation}' for this process")
+    loss, line = describe_loss(recipe, model.config)
+    if loss == "fused" and fused_unsupported(model, model.get_output_embeddings()):
+        loss, line = "standard", f"loss: standard, not fused: {fused_unsupported(model, model.get_output_embeddings())}"
+    install_loss(model, fused=loss == "fused", sp_reduce=sp.reduce_loss if sp.size > 1 else None)
+    lines.append(line)
+    return LongContext(mpu=mpu, sp=sp, loss=loss, lines=lines)
+
+
+def check_json(recipe, ds_config: dict, source: str) -> None:
+    """Preflight: the JSON's sequence_parallel_size agrees with parallel.sequence (or is "auto")."""
+    sp = recipe.parallel.sequence
+    json_sp = ds_config.get("sequence_parallel_size", "auto")
+    if json_sp != "auto" and json_sp != sp:
+        raise UserError(f"{source}: sequence_parallel_size: {json_sp} disagrees with the recipe's "
+                        f"parallel.sequence={sp}; write \"auto\" or make them equal")
+
+
+def check(recipe, ds_config: dict, config, world: int) -> None:
+    """Preflight: every reason the recipe's long-sequence settings cannot run, as one UserError line."""
+    from memtrain.config.ds_config import zero_stage
+
+    sp = recipe.parallel.sequence
+    sequence_parallel.check(sp, config, recipe.data.seq_len, world, zero_stage(ds_config),
+                            getattr(config, "_attn_implementation", None))

@@ -1,0 +1,157 @@
+"""Run by tests/test_long_context.py under the real deepspeed launcher with 2 gloo ranks.
+
+One launch, several engines in one process group, each compared against a plain-torch reference
+that runs first on every rank (one process, whole batches, full sequences, HF's own forward and
+loss, no DeepSpeed), before Ulysses replaces transformers' sdpa for the process:
+
+  dp-fused-z3     ZeRO-3, 2 data-parallel ranks, train.loss fused, tied embeddings, ignored labels
+  dp-standard-z3  the same with train.loss standard (the harness's own sanity check)
+  sp-fused-tiled-z3  ZeRO-3, parallel.sequence 2, fused, tiled_mlp 2
+  sp-standard-z2     ZeRO-2, parallel.sequence 2, standard
+  sp-fused-z1        ZeRO-1, parallel.sequence 2, fused
+
+Each engine takes one SGD step (lr 1, no clipping); the parameter change is -grad, gathered and
+compared with the reference's gradient. Writes one JSON line per case to the last argument on rank 0.
+Then memtrain's trainer runs 4 steps with parallel.sequence 2 into <that path>.run.
+"""
+import json
+import sys
+
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+
+from memtrain.config.recipe import load_recipe
+from memtrain.model.build import build_config, build_model
+from memtrain.train import long_context
+
+SEQ, MBS, VOCAB = 64, 2, 300
+OVERRIDES = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+             "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+             "model.config.tie_word_embeddings=true", f"model.config.vocab_size={VOCAB}",
+             f"data.seq_len={SEQ}", f"train.micro_batch_size={MBS}"]
+
+
+def recipe(*more):
+    return load_recipe(None, OVERRIDES + list(more))
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+
+
+def labels_with_ignores(ids):
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[0, 30:40] = -100
+    return labels
+
+
+def fresh_model(r):
+    torch.manual_seed(0)
+    return build_model(r.model, build_config(r.model, VOCAB, SEQ))
+
+
+def reference_grads(r, batches):
+    """Mean over batches of HF's loss gradient (what data-parallel averaging gives)."""
+    model = fresh_model(r)
+    losses = []
+    for ids, labels in batches:
+        loss = model(input_ids=ids, labels=labels).loss / len(batches)
+        loss.backward()
+        losses.append(loss.item() * len(batches))
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, sum(losses) / len(losses)
+
+
+def engine_grads(r, stage, feed):
+    model = fresh_model(r)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ctx = long_context.prepare(model, r, stage)
+    cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+           "sequence_parallel_size": r.parallel.sequence, "steps_per_print": 10**9}
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, mpu=ctx.mpu)
+    loss = engine(**feed(ctx.sp)).loss
+    engine.backward(loss)
+    engine.step()
+    params = dict(engine.module.named_parameters())
+    grads = {}
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=stage == 3):
+        for n, p in params.items():
+            grads[n] = (before[n] - p.detach()).clone()
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    engine.destroy()
+    return grads, value.item() / dist.get_world_size(), ctx.loss
+
+
+def compare(name, ref, got):
+    ref_grads, ref_loss = ref
+    grads, loss, used = got
+    num = sum((grads[n] - g).pow(2).sum() for n, g in ref_grads.items()) ** 0.5
+    den = sum(g.pow(2).sum() for g in ref_grads.values()) ** 0.5
+    return {"case": name, "loss": loss, "ref_loss": ref_loss, "grad_rel_err": float(num / den), "loss_used": used}
+
+
+def main():
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    rank = dist.get_rank()
+    out = []
+    ids = [batch(i) for i in range(2)]
+    dp_batches = [(x, labels_with_ignores(x)) for x in ids]
+    # references first: Ulysses registration below replaces sdpa for the whole process
+    ref_dp = reference_grads(recipe(), dp_batches)
+    ref_sp = reference_grads(recipe(), [(ids[0], ids[0])])
+
+    def dp_feed(sp):
+        x, labels = dp_batches[rank]
+        return {"input_ids": x, "labels": labels}
+
+    def sp_feed(sp):
+        return sp.slice_batch(ids[sp.data_rank])
+
+    out.append(compare("dp-fused-z3", ref_dp, engine_grads(recipe("train.loss=fused"), 3, dp_feed)))
+    out.append(compare("dp-standard-z3", ref_dp, engine_grads(recipe("train.loss=standard"), 3, dp_feed)))
+    sp2 = ["parallel.sequence=2"]
+    out.append(compare("sp-fused-tiled-z3", ref_sp,
+                       engine_grads(recipe(*sp2, "train.loss=fused", "activation_checkpointing.tiled_mlp=2"), 3, sp_feed)))
+    out.append(compare("sp-standard-z2", ref_sp, engine_grads(recipe(*sp2, "train.loss=standard"), 2, sp_feed)))
+    out.append(compare("sp-fused-z1", ref_sp, engine_grads(recipe(*sp2, "train.loss=fused"), 1, sp_feed)))
+
+    # memtrain's slices against DeepSpeed's UlyssesSPDataLoaderAdapter (an independent implementation)
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from memtrain.train.sequence_parallel import _REGISTERED
+    mpu = next(iter(_REGISTERED.values()))
+    full = {"input_ids": ids[0], "labels": ids[0],
+            "position_ids": torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()}
+    adapter = UlyssesSPDataLoaderAdapter([full], mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(),
+                                         2, device="cpu")
+    theirs = next(iter(adapter))
+    from memtrain.train.sequence_parallel import SequenceParallel
+    mine = SequenceParallel(size=2, rank=mpu.get_sequence_parallel_rank()).slice_batch(ids[0])
+    same = all(torch.equal(theirs[k], mine[k]) for k in ("input_ids", "position_ids", "shift_labels"))
+    flags = torch.tensor([float(same)])
+    dist.all_reduce(flags)
+    out.append({"case": "slices-match-adapter", "ranks_agreeing": flags.item()})
+    if rank == 0:
+        with open(sys.argv[-1], "w") as f:
+            for row in out:
+                f.write(json.dumps(row) + "\n")
+    dist.barrier()
+    # last: memtrain's own trainer with parallel.sequence 2 (it ends the process group itself)
+    from memtrain.config.args import parse_args
+    from memtrain.train.trainer import train
+    run_dir = sys.argv[-1] + ".run"
+    train(parse_args(["--deepspeed", "ds_configs/zero3_ckpt.json", "--run-dir", run_dir, "--overwrite",
+                      *[x for o in OVERRIDES + ["parallel.sequence=2", "data.random_tokens=true", "train.max_steps=4",
+                                                "train.metric_warmup_steps=1", "train.log_every=1",
+                                                ] for x in ("--set", o)]]))
+
+
+if __name__ == "__main__":
+    main()

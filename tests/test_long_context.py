@@ -1,0 +1,317 @@
+"""Long sequences: the fused loss, tiled MLPs and Ulysses sequence parallelism.
+
+Single-process tests compare memtrain's code with HF's own forward and loss (an independent
+implementation) and measure peaks with torch's MemTracker. One launch with the real deepspeed
+launcher and 2 gloo ranks (tests/long_context_worker.py) checks ZeRO-1/2/3, sequence parallelism,
+tied embeddings and ignored labels against a plain-torch reference, then runs the trainer.
+"""
+import copy
+import json
+import subprocess
+import sys
+import weakref
+
+import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from conftest import ROOT, _env, _free_port
+from memtrain.train import preflight
+from memtrain.model.loss import install_loss
+from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
+
+DS = ROOT / "ds_configs" / "zero3_ckpt.json"
+
+
+def _llama(vocab=300, layers=2, hidden=64, inter=128, tied=False, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                        tie_word_embeddings=tied, attn_implementation="sdpa"))
+
+
+def _grad_rel_err(a, b):
+    num = sum((p.grad - q.grad).pow(2).sum() for p, q in zip(a.parameters(), b.parameters())) ** 0.5
+    return float(num / sum(p.grad.pow(2).sum() for p in a.parameters()) ** 0.5)
+
+
+class _LivePeak(TorchDispatchMode):
+    """Peak bytes of tensor storages that ops create and that are still alive (weak references to
+    the storages; a storage's Python object lives as long as any tensor or autograd holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = WeakIdKeyDictionary()
+
+    def _free(self, nbytes):
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st not in self.seen:
+                    self.seen[st] = True
+                    self.live += st.nbytes()
+                    weakref.finalize(st, self._free, st.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def _live_peak(fn):
+    with _LivePeak() as mode:
+        fn()
+    return mode.peak
+
+
+def _peak(fn, *track):
+    tracker = MemTracker()
+    tracker.track_external(*track)
+    with tracker:
+        fn()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_loss_equals_hf_standard(tied):
+    """fused vs HF's own lm_head + ForCausalLMLoss: loss and every gradient, with ignored labels."""
+    ref = _llama(tied=tied)
+    fused = copy.deepcopy(ref)
+    install_loss(fused, fused=True)
+    ids = torch.randint(0, 300, (2, 64))
+    labels = ids.clone()
+    labels[:, :7] = -100
+    labels[1, 30:45] = -100
+    l_ref = ref(input_ids=ids, labels=labels).loss
+    l_ref.backward()
+    l_fused = fused(input_ids=ids, labels=labels).loss
+    l_fused.backward()
+    assert abs(l_ref.item() - l_fused.item()) < 1e-5
+    assert _grad_rel_err(ref, fused) < 1e-6
+    assert (fused.get_output_embeddings().weight is fused.get_input_embeddings().weight) == tied
+
+
+def test_fused_loss_peak_at_32k_vocab_is_under_an_eighth():
+    """A whole forward+backward of a small model with a 32,000-token vocabulary (2,048 tokens):
+    MemTracker's peak with fused is <= 1/8 of standard's (HF's own forward)."""
+    standard = _llama(vocab=32000, layers=1)
+    fused = copy.deepcopy(standard)
+    install_loss(fused, fused=True)
+    ids = torch.randint(0, 32000, (16, 128))
+    peaks = {}
+    for name, model in (("standard", standard), ("fused", fused)):
+        peaks[name] = _peak(lambda: model(input_ids=ids, labels=ids).loss.backward(), model)
+    assert peaks["fused"] * 8 <= peaks["standard"], peaks
+
+
+def test_tiled_mlp_same_gradients_lower_peak():
+    ref = _llama(layers=2, inter=256)
+    tiled = copy.deepcopy(ref)
+    assert install_tiled_mlp(tiled.model.layers, 4) == 2
+    ids = torch.randint(0, 300, (2, 256))
+    ref(input_ids=ids, labels=ids).loss.backward()
+    tiled(input_ids=ids, labels=ids).loss.backward()
+    assert _grad_rel_err(ref, tiled) < 1e-6
+    # the MLP's transient peak (forward + backward of one MLP over 4,096 tokens)
+    x = torch.randn(1, 4096, 64, requires_grad=True)
+    # (MemTracker's module tracker cannot follow TiledMLP's backward, which calls modules inside it)
+    peaks = [_live_peak(lambda: m.model.layers[0].mlp(x).sum().backward()) for m in (ref, tiled)]
+    assert peaks[1] < peaks[0] / 2, peaks
+    assert type(tiled.model.layers[0].mlp).__name__ == "LlamaMLP"  # state-dict layout unchanged
+    assert tiled.state_dict().keys() == ref.state_dict().keys()
+
+
+def test_tiled_mlp_auto_shards():
+    assert tiled_mlp_shards("auto", 131072, 4096) == 32
+    assert tiled_mlp_shards("auto", 1000, 4096) == 1
+    assert tiled_mlp_shards(0, 131072, 4096) == 1
+    assert tiled_mlp_shards(8, 64, 4096) == 8
+
+
+def _ds(tmp_path, edit):
+    cfg = json.loads(DS.read_text())
+    edit(cfg)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _error(capsys, argv, world=2):
+    with pytest.raises(SystemExit) as exc:
+        preflight.main(["--world-size", str(world), "--set", "data.random_tokens=true", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("sets, world, expected", [
+    (["parallel.sequence=2", "model.config.attn_implementation=eager"], 2, "attn_implementation sdpa"),
+    (["parallel.sequence=3"], 3, "does not divide num_attention_heads 4"),
+    (["parallel.sequence=4", "model.config.num_key_value_heads=2", "model.config.num_attention_heads=8",
+      "model.config.hidden_size=128"], 4, None),  # sp > kv heads: kv heads are replicated, allowed
+    (["parallel.sequence=4", "model.config.num_key_value_heads=4", "model.config.num_attention_heads=12",
+      "model.config.hidden_size=192", "parallel.sequence=6"], 6, "num_key_value_heads 4 do not divide"),
+    (["parallel.sequence=2", "data.seq_len=127"], 2, "does not divide data.seq_len 127"),
+    (["parallel.sequence=2"], 3, "does not divide the world size 3"),
+])
+def test_sequence_parallel_rejections(capsys, sets, world, expected):
+    argv = [x for s in sets for x in ("--set", s)]
+    if expected is None:
+        preflight.main(["--world-size", str(world), "--set", "data.random_tokens=true", *argv])
+        return
+    line = _error(capsys, argv, world)
+    assert "parallel.sequence" in line and expected in line, line
+
+
+def test_sequence_parallel_rejects_zero0_and_json_mismatch(capsys, tmp_path):
+    zero0 = _ds(tmp_path, lambda c: c["zero_optimization"].update(stage=0))
+    line = _error(capsys, ["--deepspeed", zero0, "--set", "parallel.sequence=2"])
+    assert "parallel.sequence: 2 needs ZeRO stage 1, 2 or 3" in line, line
+    mismatch = _ds(tmp_path, lambda c: c.update(sequence_parallel_size=4))
+    line = _error(capsys, ["--deepspeed", mismatch, "--set", "parallel.sequence=2"])
+    assert "sequence_parallel_size: 4 disagrees with the recipe's parallel.sequence=2" in line, line
+
+
+def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
+    """One launch: SP=2 vs one-rank full sequence for ZeRO-3/2/1, fused vs standard under ZeRO-3
+    with tied embeddings and ignored labels, slices vs DeepSpeed's adapter, then the trainer."""
+    out = tmp_path / "cases.jsonl"
+    deepspeed_bin = ROOT / ".venv" / "bin" / "deepspeed"
+    deepspeed_bin = deepspeed_bin if deepspeed_bin.exists() else __import__("pathlib").Path(sys.executable).with_name("deepspeed")
+    proc = subprocess.run([str(deepspeed_bin), "--num_gpus", "2", "--master_port", str(_free_port()),
+                           str(ROOT / "tests" / "long_context_worker.py"), str(out)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for case in ("dp-fused-z3", "dp-standard-z3", "sp-fused-tiled-z3", "sp-standard-z2", "sp-fused-z1"):
+        row = rows[case]
+        assert abs(row["loss"] - row["ref_loss"]) < 1e-5, row
+        assert row["grad_rel_err"] < 1e-5, row
+        assert row["loss_used"] == ("standard" if "standard" in case else "fused"), row
+    assert rows["slices-match-adapter"]["ranks_agreeing"] == 2.0
+    summary = json.loads((tmp_path / "cases.jsonl.run" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    m = summary["metrics"]
+    # tokens counted once: one sequence-parallel group of 2 ranks reads 2 x 64 tokens per step
+    assert m["throughput/tokens_per_s"] * m["time/step_s"] == pytest.approx(2 * 64, rel=1e-6)
+    assert "sequence parallel: 2 ranks per sequence" in proc.stdout
+    from memtrain.train import checkpoint
+    assert checkpoint.has_checkpoint(tmp_path / "cases.jsonl.run" / "checkpoints")  # saved under the Ulysses mpu
+
+
+# --------------------------------------------------------------------------- the planner's new terms
+
+def _allocator_peak(model, ids) -> int:
+    """Peak bytes the CPU allocator holds during one forward+backward, from torch.profiler's memory
+    events (as tests/test_planner.py measures); parameter gradients dropped as they accumulate (the
+    memory model counts them with the model states)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _planned_and_measured(sets, layers=2, batch=4, seq=256):
+    from memtrain.config.ds_config import ac_section
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory import estimate as mm
+    from memtrain.memory.planner import predict_run
+    from memtrain.recompute.hooks import apply_plan
+    from memtrain.recompute.policy import build_plan
+
+    recipe = load_recipe(None, [f"train.micro_batch_size={batch}", f"data.seq_len={seq}",
+                                f"model.config.num_hidden_layers={layers}", *sets])
+    config = mm.model_and_config(recipe)
+    target = mm.make_target(recipe, {}, 1, "cpu")
+    plan = build_plan("full", "torch", ac_section({}), layers)
+    pred = predict_run(recipe, json.loads(DS.read_text()), 1, plan, config, target)
+    torch.manual_seed(0)
+    model = mm._fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
+    apply_plan(model, plan)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return pred, _allocator_peak(model, ids)
+
+
+def test_planner_logits_term_standard_and_fused_match_the_allocator():
+    """A 32,000-token vocabulary: the predicted activation peak with the standard and the fused loss,
+    and the difference between them (the logits term), against the CPU allocator (5%)."""
+    vocab = ["model.config.vocab_size=32000"]
+    std_pred, std_meas = _planned_and_measured([*vocab, "train.loss=standard"])
+    fused_pred, fused_meas = _planned_and_measured([*vocab, "train.loss=fused"])
+    assert std_pred.activation_peak == pytest.approx(std_meas, rel=0.05)
+    assert fused_pred.activation_peak == pytest.approx(fused_meas, rel=0.05)
+    assert (std_pred.activation_peak - fused_pred.activation_peak) == pytest.approx(std_meas - fused_meas, rel=0.05)
+    assert std_pred.logits_and_loss > 8 * fused_pred.logits_and_loss
+
+
+def test_planner_tiled_mlp_working_set_matches_the_allocator():
+    """A wide MLP over 1,024 tokens, untiled and in 8 slices: the predicted activation peak against
+    the CPU allocator (5%), and the tiling's saving."""
+    wide = ["model.config.intermediate_size=2048", "model.config.max_position_embeddings=1024", "train.loss=fused"]
+    plain_pred, plain_meas = _planned_and_measured(wide, batch=1, seq=1024)
+    tiled_pred, tiled_meas = _planned_and_measured([*wide, "activation_checkpointing.tiled_mlp=8"], batch=1, seq=1024)
+    assert plain_pred.activation_peak == pytest.approx(plain_meas, rel=0.05)
+    assert tiled_pred.activation_peak == pytest.approx(tiled_meas, rel=0.05)
+    assert tiled_meas < plain_meas
+
+
+def test_planner_host_memory_of_offloaded_inputs_and_sequence_parallel_tokens():
+    """Offloaded checkpoint inputs on the host: layers x tokens x hidden x bytes (all but the last
+    layer, which keeps its input); under parallel.sequence the target holds seq / sp tokens."""
+    from memtrain.config.ds_config import ac_section
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory import estimate as mm
+    from memtrain.memory.planner import predict_run
+    from memtrain.recompute.policy import build_plan
+
+    ds = json.loads(DS.read_text())
+    ds["activation_checkpointing"]["cpu_checkpointing"] = True
+    for sp in (1, 2):
+        recipe = load_recipe(None, ["data.seq_len=256", "train.micro_batch_size=2", f"parallel.sequence={sp}"])
+        target = mm.make_target(recipe, ds, 2, "cpu")
+        assert target.seq_len == 256 // sp
+        plan = build_plan("full", "torch", ac_section(ds), 4, section=recipe.activation_checkpointing)
+        pred = predict_run(recipe, ds, 2, plan, None, target)
+        assert pred.host_activations == 3 * 2 * (256 // sp) * 128 * 4, sp
+
+
+def test_plan_max_seq(capsys):
+    """`make plan BUDGET=... ARGS=--max-seq`: one row per policy x loss x tiled MLP x SP; the fused
+    loss, tiled MLPs and SP each lengthen what fits; a small host budget binds offloaded runs."""
+    from memtrain.tools import plan as plan_cli
+
+    plan_cli.main(["--json", "--max-seq", "--budget", "1GiB", "--host-budget", "40MiB", "--ngpus", "2",
+                   "--set", "model.config.vocab_size=32000"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 3 * 2 * 2 * 2  # policies x losses x tiled x SP sizes (1, 2)
+    at = {(r["policy"], r["loss"], r["tiled_mlp"], r["sequence_parallel"]): r for r in rows}
+    assert at["full", "fused", 0, 1]["max_seq"] > at["full", "standard", 0, 1]["max_seq"]
+    assert at["none", "fused", "auto", 1]["max_seq"] > at["none", "fused", 0, 1]["max_seq"]
+    assert at["full", "fused", 0, 2]["max_seq"] > at["full", "fused", 0, 1]["max_seq"]
+    assert at["full", "fused", 0, 2]["tokens_per_rank"] * 2 == at["full", "fused", 0, 2]["max_seq"]
+    offload = at["full+offload", "fused", "auto", 1]
+    assert offload["runs_out_first"] == "host" and offload["host_gib"] <= 40 / 1024
+    assert at["full", "fused", 0, 1]["runs_out_first"] == "device"
