@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from memtrain.errors import UserError
+from memtrain.errors import ArgumentParser, UserError
 from memtrain.config.recipe import Recipe, load_recipe
 from memtrain.config.ds_config import load_ds_config
 
@@ -26,7 +26,7 @@ class RunArgs:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="train.py",
         description="Train a transformers causal LM with DeepSpeed and per-layer activation recompute.",
     )
