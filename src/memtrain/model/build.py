@@ -49,6 +49,12 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
             fallback = None if name == "num_key_value_heads" else getattr(default, name, None)
             return kwargs.get(name, kwargs.get(aliases.get(name, name), fallback))
 
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            # A family's default special ids (GPT-2's 50256) outside the tokenizer's vocabulary: training
+            # never reads them, and transformers warns about each at every start. The user's own value stays.
+            default_id = getattr(default, name, None)
+            if name not in section.config and isinstance(default_id, int) and default_id >= value("vocab_size"):
+                kwargs[name] = None
         # Check before transformers does: its own checks raise without naming the recipe key.
         _check_shapes(value, key, vocab_size, seq_len)
         try:
