@@ -228,6 +228,10 @@ def _files(tmp_path):
     (["--recipe", str(ROOT / "recipes" / "gpt2-small.yaml"), *_set("model.config.activation_function=relu6x")],
      f"{ROOT / 'recipes' / 'gpt2-small.yaml'}: model.config.activation_function: transformers cannot build gpt2 with it: 'relu6x' is "
      "not a name it knows; did you mean 'relu6'?"),
+    (_set("model.config.rms_norm_eps=abc"), "embedded recipe 'tiny': model.config.rms_norm_eps: TypeError: Field "
+     "'rms_norm_eps' expected float, got str (value: 'abc')"),
+    (_set("model.config.attention_dropout=2"), "embedded recipe 'tiny': model.config.attention_dropout: 2 is not a "
+     "dropout probability; expected a number in [0, 1]"),
     (_set("model.pretrained={d}/broken"), "embedded recipe 'tiny': model.pretrained: {d}/broken/config.json: "
      "malformed JSON at line 1 column 43: Expecting ',' delimiter"),
     (_set("model.pretrained={d}/untyped"), "embedded recipe 'tiny': model.pretrained: {d}/untyped/config.json: no "

@@ -60,9 +60,21 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
         try:
             config = AutoConfig.for_model(section.type, **kwargs)
         except Exception as e:  # transformers' config validators raise several types
-            raise UserError(f"model.config: {str(e).strip().splitlines()[-1].strip()}") from None
+            message = str(e).strip().splitlines()[-1].strip()
+            named = [k for k in section.config if f"'{k}'" in message]  # "Field 'rms_norm_eps' expected float"
+            raise UserError(f"model.config{'.' + named[0] if named else ''}: {message}") from None
+        _check_dropout(section.config)
     config.use_cache = False  # training never reads the KV cache
     return config
+
+
+def _check_dropout(values: dict) -> None:
+    """Dropout probabilities (attention_dropout, resid_pdrop, ...): transformers stores them unchecked and
+    torch's functional dropout only refuses them in the first forward, after distributed start-up."""
+    for key, v in values.items():
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                and not 0 <= v <= 1:
+            raise UserError(f"model.config.{key}: {v} is not a dropout probability; expected a number in [0, 1]")
 
 
 def _first_line(e: BaseException) -> str:
