@@ -216,10 +216,15 @@ def test_resume_past_damaged_checkpoints_equals_the_run(finished, tmp_path):
     shard.write_bytes(shard.read_bytes()[:5000])
     (ckpt / tag_for(3)).mkdir()
     (run / "config.json").write_text((run / "config.json").read_text()[:100])
+    with pytest.raises(json.JSONDecodeError) as cut:
+        json.loads((run / "config.json").read_text())
+    cut_error = str(cut.value)
     proc = run_train([*RUN_ARGS, "--run-dir", str(run), "--resume"])
     assert_ok(proc)
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: --resume")]
     assert warnings == [
+        f"warning: --resume: {run / 'config.json'} is damaged ({cut_error}); not needed to resume, it is rewritten "
+        "from this launch's inputs",
         f"warning: --resume: model checkpoint {ckpt / tag_for(4)} is damaged (zero_pp_rank_0_mp_rank_00_optim_states.pt "
         f"(truncated or corrupt (5000 bytes: File is not a zip file))); skipped, resuming from {tag_for(2)}; it is "
         f"moved to .damaged-{tag_for(4)}",

@@ -188,9 +188,10 @@ class ResumePoint:
     step: int
     world_size: int
     skipped: list[tuple[str, list[str]]] = field(default_factory=list)  # newer damaged checkpoints, bad files
+    notes: list[str] = field(default_factory=list)  # other damage found on the way (a cut config.json)
 
     def warnings(self, ckpt_dir: Path) -> list[str]:
-        return [f"--resume: model checkpoint {ckpt_dir / tag} is damaged ({'; '.join(bad)}); skipped, "
+        return self.notes + [f"--resume: model checkpoint {ckpt_dir / tag} is damaged ({'; '.join(bad)}); skipped, "
                 f"resuming from {self.tag}; it is moved to {DAMAGED_PREFIX}{tag}" for tag, bad in self.skipped]
 
 

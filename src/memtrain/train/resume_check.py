@@ -21,6 +21,14 @@ def check_resume(run_dir: Path, world_size: int, max_steps: int) -> checkpoint.R
     if point.world_size != world_size:
         raise UserError(f"--resume: {ckpt_dir / point.tag} was saved by {point.world_size} ranks, this launch has "
                         f"{world_size}; ZeRO checkpoints are per rank, relaunch with {point.world_size}")
+    config = run_dir / "config.json"
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:  # not needed to resume: the world size comes from the checkpoint
+        point.notes.append(f"--resume: {config} is damaged ({str(e).splitlines()[0]}); not needed to resume, "
+                           "it is rewritten from this launch's inputs")
     if point.step >= max_steps:
         raise UserError(f"--resume: {run_dir} has finished: {_status(run_dir)}its model checkpoint is at step "
                         f"{point.step} and train.max_steps is {max_steps}; its results are kept as they are "
