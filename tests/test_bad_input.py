@@ -142,9 +142,11 @@ def test_run_directory_rules(capsys, tmp_path):
     assert f"--run-dir {run}: already holds a run; pass --resume" in _error(capsys, ["--run-dir", str(run)])
     assert "--overwrite: cannot be combined with --resume" in _error(
         capsys, ["--run-dir", str(run), "--resume", "--overwrite"])
-    (run / "checkpoints" / "step00000002").mkdir()
-    assert f"--resume: {run} was trained with world size 1, this launch has 2" in _error(
-        capsys, ["--run-dir", str(run), "--resume"])
+    (run / "checkpoints" / "step00000002").mkdir()  # an empty step directory is a damaged checkpoint
+    assert (f"--resume: no intact model checkpoint in {run / 'checkpoints'}; the newest, "
+            f"{run / 'checkpoints' / 'step00000002'}, is damaged: no model states file (the directory holds no "
+            "checkpoint file)") in _error(capsys, ["--run-dir", str(run), "--resume"])
+    # world size, shapes, finished runs and damaged files with real checkpoints: tests/test_run_dir_safety.py
 
 
 def test_legal_but_useless_settings_warn(tmp_path):
@@ -177,3 +179,117 @@ def test_one_line_no_traceback_no_worker(tmp_path):
     assert proc.stderr.strip().splitlines() == pre.stderr.strip().splitlines()
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not run.exists()
+
+
+# --------------------------------------------------------------------------- round two (issue 18)
+
+def _files(tmp_path):
+    """Data, recipe and JSON files that are not what their names say."""
+    d = tmp_path
+    (d / "binary.txt").write_bytes(b"PK\x03\x04\0\0text")
+    (d / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (d / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')
+    (d / "body.jsonl").write_text('{"body": "no text column", "id": 1}\n')
+    (d / "list.jsonl").write_text('["a", "b"]\n')
+    (d / "fake.parquet").write_text("a text file named .parquet\n" * 10)
+    (d / "a-file").write_text("")
+    (d / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+    for name, text in (("broken", '{"model_type": "llama", "hidden_size": 128'), ("untyped", '{"hidden_size": 128}'),
+                       ("unknown", '{"model_type": "lama"}')):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(text)
+    return d
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--max-steps", "abc"], "--max-steps: invalid int value: 'abc' (see train.py --help)"),
+    (["--max-steps"], "--max-steps: expected one argument (see train.py --help)"),
+    (["--world-size", "two"], "--world-size: invalid int value: 'two' (see python -m memtrain.train.preflight --help)"),
+    (["--run-dir", ""], "--run-dir: empty path (see train.py --help)"),
+    (["--steps", "5"], "unrecognized arguments: --steps 5 (see train.py --help)"),
+    (_set("data.seq_len=1"), "embedded recipe 'tiny': data.seq_len: 1 leaves no next token to predict (the labels "
+     "are the inputs shifted by one); expected 2 or more"),
+    (_set("data.paths=[{d}/binary.txt]"), "embedded recipe 'tiny': data.paths: {d}/binary.txt: binary data (a NUL "
+     "byte at offset 4); expected text (.txt files are read as text)"),
+    (_set("data.paths=[{d}/latin1.txt]"), "embedded recipe 'tiny': data.paths: {d}/latin1.txt: not UTF-8 text "
+     "(byte 0xe9 at offset 3)"),
+    (_set("data.paths=[{d}/bad.jsonl]"), "embedded recipe 'tiny': data.paths: {d}/bad.jsonl: line 2: malformed JSON "
+     "(Unterminated string starting at at column 10); expected one JSON object per line"),
+    (_set("data.paths=[{d}/body.jsonl]"), "embedded recipe 'tiny': data.text_key: 'text' is not a field of "
+     "{d}/body.jsonl (line 1 has: body, id)"),
+    (_set("data.paths=[{d}/list.jsonl]"), "embedded recipe 'tiny': data.paths: {d}/list.jsonl: line 1: a JSON list, "
+     "expected an object with a 'text' field"),
+    (_set("data.paths=[{d}/fake.parquet]"), "embedded recipe 'tiny': data.paths: {d}/fake.parquet: not a parquet file "
+     "(Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file.)"),
+    (_set("data.cache_dir={d}/a-file/cache"), "embedded recipe 'tiny': data.cache_dir: '{d}/a-file/cache' cannot be "
+     "created: '{d}/a-file' is a file, not a directory"),
+    (_set("data.cache_dir={d}/a-file"), "embedded recipe 'tiny': data.cache_dir: '{d}/a-file' exists and is not a "
+     "directory"),
+    (["--run-dir", "{d}/a-file/run"], "--run-dir: '{d}/a-file/run' cannot be created: '{d}/a-file' is a file, "
+     "not a directory"),
+    (["--run-dir", "{d}/a-file"], "--run-dir: '{d}/a-file' exists and is not a directory"),
+    (["--recipe", "{d}/latin1.yaml"], "{d}/latin1.yaml: not UTF-8 text (byte 0xe9 at offset 9); save the recipe as "
+     "UTF-8"),
+    (_set("model.config.hidden_act=gelux"), "embedded recipe 'tiny': model.config.hidden_act: transformers cannot "
+     "build llama with it: 'gelux' is not a name it knows; did you mean 'gelu'?"),
+    (_set("model.config.intermediate_size=-4"), "embedded recipe 'tiny': model.config.intermediate_size: transformers "
+     "cannot build llama with it: Trying to create tensor with negative dimension -4: [-4, 128]"),
+    (["--recipe", str(ROOT / "recipes" / "gpt2-small.yaml"), *_set("model.config.activation_function=relu6x")],
+     f"{ROOT / 'recipes' / 'gpt2-small.yaml'}: model.config.activation_function: transformers cannot build gpt2 with it: 'relu6x' is "
+     "not a name it knows; did you mean 'relu6'?"),
+    (_set("model.config.rms_norm_eps=abc"), "embedded recipe 'tiny': model.config.rms_norm_eps: TypeError: Field "
+     "'rms_norm_eps' expected float, got str (value: 'abc')"),
+    (_set("model.config.attention_dropout=2"), "embedded recipe 'tiny': model.config.attention_dropout: 2 is not a "
+     "dropout probability; expected a number in [0, 1]"),
+    (_set("model.pretrained={d}/broken"), "embedded recipe 'tiny': model.pretrained: {d}/broken/config.json: "
+     "malformed JSON at line 1 column 43: Expecting ',' delimiter"),
+    (_set("model.pretrained={d}/untyped"), "embedded recipe 'tiny': model.pretrained: {d}/untyped/config.json: no "
+     "'model_type' key (expected a transformers model type, e.g. \"llama\")"),
+    (_set("model.pretrained={d}/unknown"), "embedded recipe 'tiny': model.pretrained: {d}/unknown/config.json: "
+     "model_type: unknown transformers model type 'lama'; did you mean 'llama'?"),
+    (_set("activation_checkpointing.policy=modules", "activation_checkpointing.modules=[model.layers.*.mpl]"),
+     "embedded recipe 'tiny': activation_checkpointing.modules: 'model.layers.*.mpl' matches no module of "
+     "LlamaForCausalLM ('*' is one path part; e.g. model.layers.0.self_attn, model.layers.0.mlp, "
+     "model.layers.0.input_layernorm, model.layers.0.post_attention_layernorm)"),
+    (_set("activation_checkpointing.policy=modules", "activation_checkpointing.modules=[layers.*.mlp]"),
+     "embedded recipe 'tiny': activation_checkpointing.modules: 'layers.*.mlp' matches no module of LlamaForCausalLM"),
+])
+def test_round_two_mistakes(capsys, tmp_path, argv, expected):
+    d = _files(tmp_path)
+    argv = [a.replace("{d}", str(d)) for a in argv]
+    line = _error(capsys, argv)
+    assert line.startswith(f"memtrain: error: {expected.replace('{d}', str(d))}"), line
+
+
+def test_non_utf8_deepspeed_json(capsys, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_bytes(DS.read_bytes().replace(b'"auto"', b'"\xe0uto"', 1))
+    offset = path.read_bytes().index(b"\xe0")
+    assert _error(capsys, ["--deepspeed", str(path)]) == (
+        f"memtrain: error: {path}: not UTF-8 text (byte 0xe0 at offset {offset}); a DeepSpeed config is JSON, "
+        "which is UTF-8")
+
+
+@pytest.mark.parametrize("module, argv, expected", [
+    ("plan", ["--budget=-1GB"], "--budget: '-1GB' must be a positive memory size (e.g. 40GiB)"),
+    ("plan", ["--budget"], "--budget: expected one argument (see python -m memtrain.tools.plan --help)"),
+    ("plan", ["--ngpus", "x"], "--ngpus: invalid int value: 'x' (see python -m memtrain.tools.plan --help)"),
+    ("report", ["--budget=-1GB"], "BUDGET: '-1GB' must be a positive memory size (e.g. 40GiB)"),
+    ("report", ["--budget"], "--budget: expected one argument (see python -m memtrain.tools.report --help)"),
+])
+def test_tool_flags_one_line(capsys, module, argv, expected):
+    """`make plan BUDGET=-1GB` runs `python -m memtrain.tools.plan --budget=-1GB` (and report likewise)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(f"memtrain.tools.{module}").main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"memtrain: error: {expected}"]
+
+
+def test_make_passes_budget_as_one_argument():
+    """`--budget -1GB` would read as a flag; the Makefile writes `--budget=$(BUDGET)`."""
+    for target in ("plan", "report"):
+        out = subprocess.run(["make", "-n", "-o", "setup", "-o", ".venv/.installed", target, "BUDGET=-1GB"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60).stdout
+        assert "--budget=-1GB" in out, out

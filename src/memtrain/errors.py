@@ -1,6 +1,7 @@
 """User-facing errors: one line on stderr, no traceback, non-zero exit."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from functools import wraps
@@ -15,6 +16,14 @@ class UserError(Exception):
 
 class RunFailed(Exception):
     """The run itself failed (NaN/inf loss, out of memory); summary.json records the same line."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag or value is one UserError line (`--max-steps: invalid int value: 'abc'`)
+    instead of the usage text over several lines; `--help` is unchanged."""
+
+    def error(self, message: str):
+        raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
 
 
 EXIT_USER_ERROR = 2

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from memtrain.errors import UserError
+from memtrain.errors import ArgumentParser, UserError
 from memtrain.config.recipe import Recipe, load_recipe
 from memtrain.config.ds_config import load_ds_config
 
@@ -25,8 +25,14 @@ class RunArgs:
     recipe_path: Optional[str] = None  # None: the embedded default recipe
 
 
+def _path(text: str) -> Path:
+    if not text.strip():  # Path("") is ".": the run would write into the current directory
+        raise argparse.ArgumentTypeError("empty path")
+    return Path(text)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="train.py",
         description="Train a transformers causal LM with DeepSpeed and per-layer activation recompute.",
     )
@@ -35,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a recipe key, e.g. --set activation_checkpointing.policy=every:2")
-    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe>-<timestamp>)")
+    p.add_argument("--run-dir", type=_path, help="run directory (default: runs/<recipe>-<timestamp>)")
     p.add_argument("--max-steps", type=int, help="shorthand for --set train.max_steps=N")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="allow reusing a run directory that holds a run")

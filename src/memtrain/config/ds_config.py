@@ -24,7 +24,10 @@ def load_ds_config(path: str | Path) -> dict:
     if not p.is_file():
         raise UserError(f"{p}: DeepSpeed config not found")
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                        "a DeepSpeed config is JSON, which is UTF-8") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{p}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     if not isinstance(cfg, dict):

@@ -19,9 +19,12 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if section.pretrained:
-        if not (Path(section.pretrained) / "config.json").is_file():
-            raise UserError(f"model.pretrained: '{section.pretrained}' has no config.json")
-        config = AutoConfig.from_pretrained(section.pretrained, local_files_only=True, **section.config)
+        _check_pretrained_json(Path(section.pretrained) / "config.json", CONFIG_MAPPING)
+        try:
+            config = AutoConfig.from_pretrained(section.pretrained, local_files_only=True, **section.config)
+        except Exception as e:  # transformers' config validators raise several types
+            raise UserError(f"model.pretrained: {Path(section.pretrained) / 'config.json'}: "
+                            f"{_first_line(e)}") from None
         _check_shapes(lambda name: getattr(config, name, None), lambda name: name, vocab_size, seq_len)
     else:
         if section.type not in CONFIG_MAPPING:
@@ -46,14 +49,95 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
             fallback = None if name == "num_key_value_heads" else getattr(default, name, None)
             return kwargs.get(name, kwargs.get(aliases.get(name, name), fallback))
 
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            # A family's default special ids (GPT-2's 50256) outside the tokenizer's vocabulary: training
+            # never reads them, and transformers warns about each at every start. The user's own value stays.
+            default_id = getattr(default, name, None)
+            if name not in section.config and isinstance(default_id, int) and default_id >= value("vocab_size"):
+                kwargs[name] = None
         # Check before transformers does: its own checks raise without naming the recipe key.
         _check_shapes(value, key, vocab_size, seq_len)
         try:
             config = AutoConfig.for_model(section.type, **kwargs)
         except Exception as e:  # transformers' config validators raise several types
-            raise UserError(f"model.config: {str(e).strip().splitlines()[-1].strip()}") from None
+            message = str(e).strip().splitlines()[-1].strip()
+            named = [k for k in section.config if f"'{k}'" in message]  # "Field 'rms_norm_eps' expected float"
+            raise UserError(f"model.config{'.' + named[0] if named else ''}: {message}") from None
+        _check_dropout(section.config)
     config.use_cache = False  # training never reads the KV cache
     return config
+
+
+def _check_dropout(values: dict) -> None:
+    """Dropout probabilities (attention_dropout, resid_pdrop, ...): transformers stores them unchecked and
+    torch's functional dropout only refuses them in the first forward, after distributed start-up."""
+    for key, v in values.items():
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                and not 0 <= v <= 1:
+            raise UserError(f"model.config.{key}: {v} is not a dropout probability; expected a number in [0, 1]")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0].strip()
+
+
+def _check_pretrained_json(path: Path, known) -> None:
+    """What AutoConfig would report as a traceback (or a list of every model type): one line."""
+    import json
+
+    if not path.is_file():
+        raise UserError(f"model.pretrained: '{path.parent}' has no config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"model.pretrained: {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                        f"{e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"model.pretrained: {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}"
+                        ) from None
+    if not isinstance(raw, dict):
+        raise UserError(f"model.pretrained: {path}: expected a JSON object, got {type(raw).__name__}")
+    kind = raw.get("model_type")
+    if kind is None:
+        raise UserError(f"model.pretrained: {path}: no 'model_type' key (expected a transformers model type, "
+                        "e.g. \"llama\")")
+    if kind not in known:
+        close = difflib.get_close_matches(str(kind), list(known.keys()), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise UserError(f"model.pretrained: {path}: model_type: unknown transformers model type {kind!r}{hint}")
+
+
+def build_on_meta(section: ModelSection, config) -> nn.Module:
+    """The model on the meta device (no memory, no weights read): transformers' own checks of every
+    config value run, as they will when the workers build it. One line naming the key on failure."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=_DTYPES[section.dtype])
+    except Exception as e:  # a negative size, an unknown activation name, an unsupported combination
+        message = _first_line(e) if not isinstance(e, KeyError) else f"{e.args[0]!r} is not a name it knows"
+        keys = [k for k, v in section.config.items() if _blamed(v, message)]
+        where = f"model.config.{keys[0]}" if keys else ("model.pretrained" if section.pretrained else "model.config")
+        if where.endswith("_act") or where.endswith("activation_function"):
+            from transformers.activations import ACT2CLS
+
+            message += f"; {_activation_hint(section.config[where.split('.')[-1]], ACT2CLS)}"
+        raise UserError(f"{where}: transformers cannot build {config.model_type} with it: {message}") from None
+
+
+def _activation_hint(name, known) -> str:
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return f"did you mean '{close[0]}'?" if close else f"known: {', '.join(sorted(known))}"
+
+
+def _blamed(value, message: str) -> bool:
+    """Does the error message mention this config value (or is it a negative size)?"""
+    if isinstance(value, bool) or value is None:
+        return False
+    if isinstance(value, (int, float)) and value < 0:
+        return True
+    return isinstance(value, str) and len(value) > 1 and value in message
 
 
 def _check_shapes(value, key, vocab_size: int, seq_len: int) -> None:

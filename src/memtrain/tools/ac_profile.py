@@ -22,7 +22,6 @@ per policy on the same random token batch and writes a table (stdout) and a CSV
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import sys
@@ -38,7 +37,7 @@ from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, build_plan
 from memtrain.recompute.hooks import apply_plan, observe_recompute
 from memtrain.config.ds_config import ac_section
 from memtrain.model.flops import flop_counter
-from memtrain.errors import UserError, cli_entry
+from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.memory.tracker import ActivationMeter, StepTracker
 
 DEFAULT_OUT = "reports/ac_profile.csv"
@@ -181,7 +180,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     from memtrain.config.recipe import load_recipe
 
-    p = argparse.ArgumentParser(prog="python -m memtrain.tools.ac_profile",
+    p = ArgumentParser(prog="python -m memtrain.tools.ac_profile",
                                 description="Measure each AC policy's activation memory and recompute cost on CPU.")
     p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",

@@ -8,7 +8,6 @@ sequence that fit, and the plan `policy: auto` would choose.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -16,7 +15,7 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 from memtrain.recompute.policy import build_plan, json_effects, resolve_backend
-from memtrain.errors import UserError, cli_entry
+from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.units import GIB, parse_size
 from memtrain.memory.estimate import (MODULES, OFFLOAD, ActivationProfile, choice_mode, make_target, measure_rates, model_and_config, model_states, predict, predict_plan, profile_activations)
 from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, predicted_plan, smallest_peak, what_fits)
@@ -235,7 +234,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from memtrain.config.ds_config import load_ds_config
     from memtrain.config.recipe import load_recipe
 
-    p = argparse.ArgumentParser(prog="python -m memtrain.tools.plan",
+    p = ArgumentParser(prog="python -m memtrain.tools.plan",
                                 description="Predict a recipe's peak memory per device, per AC policy, before a run.")
     p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
     p.add_argument("--deepspeed", default="ds_configs/zero3_ckpt.json", metavar="JSON",

@@ -7,7 +7,6 @@ none during warm-up). The final loss is the last logged `train/loss`.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import statistics
@@ -15,7 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.errors import cli_entry
+from memtrain.errors import ArgumentParser, cli_entry
 from memtrain.tools.sweep_points import DEFAULT_SWEEP, DS_KEY, Point, Sweep, load_sweep, read_summary, short_names
 from memtrain.tools.tb import read_scalars
 from memtrain.units import GIB, parse_size
@@ -320,7 +319,7 @@ def write_report(sweep: Sweep, budget: Optional[float] = None, out_root: Path = 
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m memtrain.tools.report", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m memtrain.tools.report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", nargs="?", default=DEFAULT_SWEEP, help=f"sweep file (default: {DEFAULT_SWEEP})")
     p.add_argument("--budget", help="memory budget for the best-point line, e.g. 40GiB")
     args = p.parse_args(argv)

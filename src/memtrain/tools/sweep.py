@@ -1,7 +1,6 @@
 """`make sweep`: run every point of a grid of recipe overrides and DeepSpeed configs."""
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-from memtrain.errors import UserError, cli_entry
+from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.tools.sweep_points import (DEFAULT_SWEEP, TRAIN_PY, Point, SweepBar, Sweep, finish_point, free_port, is_finished,
                                          last_step, load_sweep, prepare_point, read_summary, tail)
 
@@ -94,7 +93,7 @@ def run_sweep(sweep: Sweep, force: bool = False, launcher: Optional[str] = None)
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m memtrain.tools.sweep", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m memtrain.tools.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", nargs="?", default=DEFAULT_SWEEP, help=f"sweep file (default: {DEFAULT_SWEEP})")
     p.add_argument("--force", action="store_true", help="rerun points that already finished")
     p.add_argument("--launcher", help=f"override the sweep file's launcher.name ({', '.join(LAUNCHERS)})")

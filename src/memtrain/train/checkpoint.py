@@ -5,21 +5,30 @@ Not to be confused with activation checkpointing (see `memtrain.recompute`).
 Saves are crash-safe: every rank writes into a hidden temporary directory, and only when all
 ranks are done does rank 0 rename it to `stepNNNNNNNN` and then replace `latest` atomically.
 A process killed mid-save leaves at most a `.tmp-*` directory, which the next save removes;
-a `step*` directory therefore always holds a complete checkpoint, and resume uses the newest.
+a `step*` directory therefore holds a complete checkpoint as written. What happened to it since
+(a truncated copy, a full disk, a deleted shard) is checked by `resume_point`, which skips damaged
+checkpoints and names their bad files.
 """
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
+from memtrain.errors import UserError
+from memtrain.train.run_dir import finish_overwrite
+
 TAG_PREFIX = "step"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = ".damaged-"  # a checkpoint that `--resume` found damaged and skipped
 
 
 def tag_for(step: int) -> str:
@@ -66,6 +75,7 @@ def save(engine, ckpt_dir: Path, step: int, keep_last: int) -> str:
             os.replace(ckpt_dir / tmp_tag, final)
         atomic_write_text(ckpt_dir / "latest", tag)  # read by DeepSpeed's own tools (zero_to_fp32.py)
         _rotate(ckpt_dir, keep_last)
+        finish_overwrite(ckpt_dir.parent)  # --overwrite: the run this one replaces can go now
     dist.barrier()
     return tag
 
@@ -94,14 +104,22 @@ def latest_path(ckpt_dir: Optional[Path]) -> Optional[Path]:
 
 
 def load(engine, ckpt_dir: Path) -> int:
-    """Restore the newest complete checkpoint into `engine`; returns the number of completed steps."""
+    """Restore the newest intact checkpoint into `engine`; returns the number of completed steps."""
     import deepspeed.comm as dist
 
-    tag = latest_tag(ckpt_dir)
+    point = resume_point(ckpt_dir)
+    tag = point.tag
     _, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     rng_file = ckpt_dir / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
+    dist.barrier()  # every rank has chosen and read the same checkpoint
+    if dist.get_rank() == 0:  # damaged newer ones: kept for inspection, out of the way of saves and rotation
+        for skipped, _ in point.skipped:
+            target, n = ckpt_dir / f"{DAMAGED_PREFIX}{skipped}", 1
+            while target.exists():
+                target, n = ckpt_dir / f"{DAMAGED_PREFIX}{skipped}.{n}", n + 1
+            os.replace(ckpt_dir / skipped, target)
     return int(client_state["step"])
 
 
@@ -113,3 +131,76 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- checks before resuming
+
+_RANK_FILE = re.compile(r"(?:rng_rank|zero_pp_rank_)(\d+)")
+
+
+def _unreadable(path: Path) -> Optional[str]:
+    """Why a torch.save file cannot be loaded, judged from its zip directory (at the file's end, so
+    a truncated or emptied file fails; reading the directory costs nothing even for large shards)."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return "empty"
+        with zipfile.ZipFile(path) as z:
+            if not z.namelist():
+                return "no records"
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"truncated or corrupt ({size} bytes: {e})" if isinstance(e, zipfile.BadZipFile) else str(e)
+    return None
+
+
+def damage(step_dir: Path) -> list[str]:
+    """What is wrong with one saved checkpoint: unreadable files, a rank without its files. [] = intact."""
+    files = sorted(step_dir.glob("*.pt"))
+    if not any(f.name.endswith("model_states.pt") for f in files):
+        return ["no model states file" + ("" if files else " (the directory holds no checkpoint file)")]
+    bad = [f"{f.name} ({why})" for f in files if (why := _unreadable(f))]
+    ranks = {int(m.group(1)) for f in files if (m := _RANK_FILE.match(f.name))}
+    for rank in range(max(ranks, default=-1) + 1):
+        for name in (f"rng_rank{rank}.pt", *(n for n in _shard_names(files, rank))):
+            if not (step_dir / name).is_file():
+                bad.append(f"{name} (missing)")
+    return bad
+
+
+def _shard_names(files: list[Path], rank: int) -> list[str]:
+    """Per-rank DeepSpeed files that rank 0 has: every rank writes the same kinds."""
+    return [f.name.replace("zero_pp_rank_0_", f"zero_pp_rank_{rank}_", 1)
+            for f in files if f.name.startswith("zero_pp_rank_0_")]
+
+
+def saved_world_size(step_dir: Path) -> int:
+    return len(list(step_dir.glob("rng_rank*.pt")))
+
+
+@dataclass
+class ResumePoint:
+    tag: str
+    step: int
+    world_size: int
+    skipped: list[tuple[str, list[str]]] = field(default_factory=list)  # newer damaged checkpoints, bad files
+    notes: list[str] = field(default_factory=list)  # other damage found on the way (a cut config.json)
+
+    def warnings(self, ckpt_dir: Path) -> list[str]:
+        return self.notes + [f"--resume: model checkpoint {ckpt_dir / tag} is damaged ({'; '.join(bad)}); skipped, "
+                f"resuming from {self.tag}; it is moved to {DAMAGED_PREFIX}{tag}" for tag, bad in self.skipped]
+
+
+def resume_point(ckpt_dir: Path) -> ResumePoint:
+    """The newest intact checkpoint; damaged newer ones are skipped (and named), never deleted."""
+    skipped = []
+    for tag in reversed(_tags(ckpt_dir)):
+        bad = damage(ckpt_dir / tag)
+        if not bad:
+            return ResumePoint(tag, int(tag[len(TAG_PREFIX):]), saved_world_size(ckpt_dir / tag), skipped)
+        skipped.append((tag, bad))
+    if skipped:
+        tag, bad = skipped[0]
+        raise UserError(f"--resume: no intact model checkpoint in {ckpt_dir}; the newest, {ckpt_dir / tag}, "
+                        f"is damaged: {'; '.join(bad)}" + (f" (and {len(skipped) - 1} older ones)" if len(skipped) > 1
+                                                           else ""))
+    raise UserError(f"--resume: no complete model checkpoint in {ckpt_dir}")

@@ -9,7 +9,6 @@ config classes (pydantic, like the recipe's) have the last word on the JSON.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import difflib
 import json
@@ -22,12 +21,16 @@ from typing import Any, Optional
 from pydantic import BaseModel, ValidationError
 
 from memtrain.train import checkpoint, long_context
+from memtrain.train import run_dir as run_dirs
+from memtrain.train.resume_check import check_resume, check_shapes
+from memtrain.model.data_check import check_data_files, check_seq_len
 from memtrain.recompute.policy import ACPlan, build_plan, effective_policy
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
 from memtrain.config.ds_config import AUTO, ac_section, resolve_ds_config
-from memtrain.errors import UserError, cli_entry
-from memtrain.model.build import build_config
+from memtrain.errors import ArgumentParser, UserError, cli_entry
+from memtrain.model.build import build_config, build_on_meta
+from memtrain.recompute.hooks import apply_plan
 from memtrain.config.recipe import DataSection
 
 # Top-level keys that DeepSpeed 0.19.8's DeepSpeedConfig reads (recorded from its accesses),
@@ -302,24 +305,28 @@ def check_text(files: list[Path], data: DataSection) -> None:
         raise UserError(f"data.paths: {', '.join(data.paths)}: the {len(files)} matched file(s) hold no text")
 
 
-def check_run_dir(args: RunArgs, world_size: int) -> None:
+def check_plan_applies(model, plan: ACPlan) -> None:
+    """Install the AC plan on the meta-device model, as the workers will: module patterns that match
+    nothing, sublayers a family lacks and layer-count mismatches are found here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # stateful-module warnings: the workers give them
+        apply_plan(model, plan)
+
+
+def check_run_dir(args: RunArgs, world_size: int) -> Optional[checkpoint.ResumePoint]:
+    """--run-dir/--resume/--overwrite rules; with --resume, the intact checkpoint to resume from."""
     run_dir = args.run_dir
     if args.resume and args.overwrite:
         raise UserError("--overwrite: cannot be combined with --resume (resume continues a run, overwrite deletes it)")
+    run_dirs.check_creatable(run_dir or Path("runs"), "--run-dir")
     if args.resume:
-        ckpt_dir = run_dir / "checkpoints"
-        if not checkpoint.has_checkpoint(ckpt_dir):
-            raise UserError(f"--resume: no complete model checkpoint in {ckpt_dir}")
-        previous = run_dir / "config.json"
-        if previous.is_file():
-            was = json.loads(previous.read_text()).get("world_size")
-            if was is not None and was != world_size:
-                raise UserError(f"--resume: {run_dir} was trained with world size {was}, this launch has "
-                                f"{world_size}; ZeRO checkpoints are per rank, relaunch with {was}")
-    elif run_dir and not args.overwrite and any(
-            (run_dir / name).exists() for name in ("config.json", "summary.json", "checkpoints", "tb")):
+        return check_resume(run_dir, world_size, args.recipe.train.max_steps)
+    if run_dir and not args.overwrite and run_dirs.holds_run(run_dir):
         raise UserError(f"--run-dir {run_dir}: already holds a run; pass --resume to continue it "
                         "or --overwrite to replace it")
+    return None
 
 
 def run_device() -> str:
@@ -335,14 +342,20 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     warnings = check_ds_json(args.ds_config, source)
     long_context.check_json(recipe, args.ds_config, source)
     check_batch(args.ds_config, source, recipe, world_size // recipe.parallel.sequence or 1)
-    check_run_dir(args, world_size)
+    resume = check_run_dir(args, world_size)
+    if resume is not None:
+        warnings += resume.warnings(args.run_dir / "checkpoints")
     recipe_source = args.recipe_path or "embedded recipe 'tiny'"
     try:  # these name a recipe key path; say which recipe too
+        check_seq_len(recipe.data)
         files = [] if recipe.data.random_tokens else resolve_files(recipe.data)
         if files:
             check_text(files, recipe.data)
+            check_data_files(files, recipe.data)
+            run_dirs.check_creatable(Path(recipe.data.cache_dir), "data.cache_dir")
         tokenizer = build_tokenizer(recipe.data.tokenizer)
         config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
+        model = build_on_meta(recipe.model, config)  # transformers' own checks of the config values
         ds_ac = ac_section(args.ds_config)
         policy, memory_plan = effective_policy(recipe.activation_checkpointing, args.ds_config), None
         if policy == "auto":  # per-layer plan that fits activation_checkpointing.memory_budget
@@ -352,9 +365,12 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         else:
             plan = build_plan(policy, recipe.activation_checkpointing.backend, ds_ac, config.num_hidden_layers,
                               section=recipe.activation_checkpointing, device=run_device())  # also rejects op-level under reentrant
+        check_plan_applies(model, plan)
         long_context.check(recipe, args.ds_config, config, world_size)
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
+    if resume is not None:
+        check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
     deepspeed_accepts(args.ds_config, resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"),
                                                         plan.num_recomputed), source)
     warnings += _recipe_overrides(args.ds_config, source, recipe)
@@ -375,7 +391,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from memtrain.model.data import prepare_data
 
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = ArgumentParser(prog="python -m memtrain.train.preflight", add_help=False)
     pre.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     if known.world_size < 1:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from memtrain.train import checkpoint
+from memtrain.train import run_dir as run_dirs
 from memtrain.recompute.hooks import apply_plan, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
 from memtrain.model.data import RandomTokens, prepare_data, to_device
@@ -143,6 +144,14 @@ def train(args: RunArgs) -> dict:
     """Train; a NaN/inf loss or an OOM ends it with one line and summary.json status failed/oom."""
     progress = RunPosition(world=int(os.environ.get("WORLD_SIZE", 1)), rank=int(os.environ.get("RANK", 0)))
     try:
+        return _train_or_report(args, progress)
+    except BaseException:  # --overwrite: the new run saved nothing, so the earlier run comes back
+        run_dirs.roll_back(progress.run_dir)
+        raise
+
+
+def _train_or_report(args: RunArgs, progress: RunPosition) -> dict:
+    try:
         try:
             return _train(args, progress)
         finally:
@@ -157,6 +166,7 @@ def train(args: RunArgs) -> dict:
             raise
         reason = oom_message(progress, args.recipe, args.ds_config)
         write_failure(progress, "oom", reason)
+        run_dirs.roll_back(progress.run_dir)
         if progress.world == 1:
             raise RunFailed(reason) from None
         # Other ranks may wait in a collective forever: report from this rank and leave at once;
@@ -201,9 +211,13 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     progress.run_dir = run_dir
     ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.num_recomputed)
     predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
+    if recipe.data.random_tokens:
+        data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed)
+    else:
+        data = _prepare_data_everywhere(recipe)
     if rank == 0:
-        if args.overwrite:  # stale events or checkpoints must not mix into the new run
-            _clear_run(run_dir)
+        if args.overwrite:  # the earlier run moves aside; deleted once this run saved a model checkpoint
+            run_dirs.set_aside(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(
             {"recipe": recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
@@ -213,10 +227,6 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
             print(memory_plan.describe(), flush=True)
         for warning in checked.warnings:
             print(f"warning: {warning}", flush=True)
-    if recipe.data.random_tokens:
-        data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed)
-    else:
-        data = _prepare_data_everywhere(recipe)
 
     # --- model, AC hooks, engine
     _seed_everything(t.seed)
@@ -342,6 +352,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         summary["memory_plan"] = memory_plan.to_dict()
     if rank == 0:
         checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        run_dirs.finish_overwrite(run_dir)  # with train.save_checkpoints: false, nothing saved before
         print(f"{status}: {completed} steps, final loss {last_loss:.4f}; "
               f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'})", flush=True)
     dist.barrier()
@@ -369,16 +380,6 @@ def _predicted_peak(recipe, ds_config: dict, world: int, plan, config, memory_pl
     from memtrain.memory.planner import predict_run
 
     return predict_run(recipe, ds_config, world, plan, config).peak
-
-
-def _clear_run(run_dir: Path) -> None:
-    """--overwrite: remove what a previous run left (validation has run; the user asked for it)."""
-    import shutil
-
-    for name in ("tb", "checkpoints"):
-        shutil.rmtree(run_dir / name, ignore_errors=True)
-    for name in ("summary.json", "config.json"):
-        (run_dir / name).unlink(missing_ok=True)
 
 
 def _interval_metrics(engine, loss, step_s, tokens_per_step, world, data_world, samples_per_rank, flops_per_token,

@@ -34,7 +34,7 @@ import torch
 
 from memtrain.config.ds_config import load_ds_config
 from memtrain.train.faults import is_oom_text
-from memtrain.errors import UserError, cli_entry
+from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.sweep_points import free_port
 from memtrain.tools.bench.setups import DEFAULT_SETUPS, HELP, parse_setup
@@ -162,7 +162,7 @@ def _from_summary(path: Path) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m memtrain.tools.bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m memtrain.tools.bench", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"shape to measure (default: {DEFAULT_RECIPE})")
     p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated: {HELP}")
     p.add_argument("--deepspeed", default="ds_configs/zero3_ckpt.json", metavar="JSON",

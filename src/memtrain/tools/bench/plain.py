@@ -22,7 +22,7 @@ from memtrain.recompute.policy import DEFAULT_OP_SAVE, build_plan
 from memtrain.recompute.hooks import apply_plan
 from memtrain.model.data import RandomTokens, build_tokenizer, to_device
 from memtrain.config.ds_config import ac_section
-from memtrain.errors import cli_entry
+from memtrain.errors import ArgumentParser, cli_entry
 from memtrain.train.faults import is_oom
 from memtrain.units import GIB
 from memtrain.train.metrics import IntervalTimer
@@ -64,7 +64,7 @@ def run(setup: Setup, recipe, steps: int, warmup: int) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m memtrain.tools.bench.plain", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m memtrain.tools.bench.plain", description=__doc__.splitlines()[0])
     p.add_argument("--setup", default="torch:noac")
     p.add_argument("--recipe", default=None)
     p.add_argument("--set", dest="overrides", action="append", default=[])

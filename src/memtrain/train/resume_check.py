@@ -1,0 +1,73 @@
+"""Is a run directory fit for `--resume`: an intact model checkpoint, the same world size, steps
+left to train, and a recipe whose model has the checkpoint's parameter shapes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from memtrain.errors import UserError
+from memtrain.train import checkpoint
+from memtrain.train.run_dir import ASIDE
+
+
+def check_resume(run_dir: Path, world_size: int, max_steps: int) -> checkpoint.ResumePoint:
+    ckpt_dir = run_dir / "checkpoints"
+    if not checkpoint.has_checkpoint(ckpt_dir) and checkpoint.has_checkpoint(run_dir / ASIDE / "checkpoints"):
+        raise UserError(f"--resume: no model checkpoint in {ckpt_dir}; an interrupted --overwrite left the earlier "
+                        f"run in {run_dir / ASIDE}: move its entries back into {run_dir} to resume it")
+    point = checkpoint.resume_point(ckpt_dir)
+    if point.world_size != world_size:
+        raise UserError(f"--resume: {ckpt_dir / point.tag} was saved by {point.world_size} ranks, this launch has "
+                        f"{world_size}; ZeRO checkpoints are per rank, relaunch with {point.world_size}")
+    config = run_dir / "config.json"
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:  # not needed to resume: the world size comes from the checkpoint
+        point.notes.append(f"--resume: {config} is damaged ({str(e).splitlines()[0]}); not needed to resume, "
+                           "it is rewritten from this launch's inputs")
+    if point.step >= max_steps:
+        raise UserError(f"--resume: {run_dir} has finished: {_status(run_dir)}its model checkpoint is at step "
+                        f"{point.step} and train.max_steps is {max_steps}; its results are kept as they are "
+                        "(pass a larger --max-steps to train further, or use a new --run-dir)")
+    return point
+
+
+def _status(run_dir: Path) -> str:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return f"summary.json says {summary['status']} after {summary['steps']} steps; "
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def check_shapes(step_dir: Path, model) -> None:
+    """The checkpoint's parameters must be the model's, name for name and shape for shape.
+
+    DeepSpeed records every parameter's shape in the model states file (`param_shapes`); it is
+    loaded memory-mapped, so large weights stored beside it are not read."""
+    path = sorted(step_dir.glob("*model_states.pt"))[0]
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # a damaged pickle inside an intact zip
+        raise UserError(f"--resume: {path}: cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                        ) from None
+    saved: dict[str, tuple] = {}
+    for group in state.get("param_shapes") or [{k: v.shape for k, v in (state.get("module") or {}).items()}]:
+        saved.update({k: tuple(v) for k, v in group.items()})
+    ours = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    for name, shape in ours.items():
+        if name not in saved:
+            raise UserError(f"--resume: {path}: has no parameter '{name}', which this recipe's model has; "
+                            "the recipe's model differs from the run's (model.*)")
+        if saved[name] != shape:
+            raise UserError(f"--resume: {path}: '{name}' has shape {list(saved[name])} in the model checkpoint "
+                            f"but {list(shape)} in this recipe's model; the recipe's model differs from the run's (model.*)")
+    extra = sorted(set(saved) - set(model.state_dict()))  # a state dict (stage 0) also holds buffers
+    if extra:
+        raise UserError(f"--resume: {path}: holds '{extra[0]}', which this recipe's model has not"
+                        f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; the recipe's model differs "
+                        "from the run's (model.*)")

@@ -1,0 +1,87 @@
+"""A run directory's lifecycle: can it be created, and `--overwrite` that loses nothing.
+
+`--overwrite` never deletes an earlier run up front. Rank 0 moves the earlier run's entries
+(`RUN_ENTRIES`) into `<run-dir>/.overwritten/` (renames: instant, same file system) once every
+input has been checked. The earlier run is deleted only when the new run has saved its first model
+checkpoint (or, with `train.save_checkpoints: false`, has finished). If the new run fails before
+that, the earlier run is moved back and what the new run wrote is removed. A process killed in
+between leaves the earlier run in `.overwritten/`, where it can be moved back by hand.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from memtrain.errors import UserError
+
+RUN_ENTRIES = ("config.json", "summary.json", "checkpoints", "tb", "csv")  # what a run writes
+ASIDE = ".overwritten"
+
+_set_aside: set[Path] = set()  # run dirs this process moved aside (only its own are rolled back)
+
+
+def holds_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in RUN_ENTRIES[:4])
+
+
+def check_creatable(path: Path, what: str) -> None:
+    """One line if `path` cannot be a directory: it is a file, sits under one, or is not writable."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{what}: '{path}' exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UserError(f"{what}: '{path}' is not writable")
+        return
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{what}: '{path}' cannot be created: '{parent}' is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{what}: '{path}' cannot be created: '{parent}' is not writable")
+
+
+def set_aside(run_dir: Path) -> None:
+    """`--overwrite`, rank 0, after validation: move the earlier run into `<run-dir>/.overwritten/`."""
+    aside = run_dir / ASIDE
+    if aside.exists():
+        # An earlier --overwrite never reached its first model checkpoint: what lies at the top is that
+        # failed run, and .overwritten/ still holds the run before it, the one worth keeping.
+        for name in RUN_ENTRIES:
+            _remove(run_dir / name)
+    else:
+        aside.mkdir(parents=True)
+        for name in RUN_ENTRIES:
+            if (run_dir / name).exists():
+                os.replace(run_dir / name, aside / name)
+    _set_aside.add(run_dir.resolve())
+
+
+def finish_overwrite(run_dir: Path) -> None:
+    """The new run has saved a model checkpoint (or finished): the run it replaces can go."""
+    if run_dir.resolve() in _set_aside:
+        shutil.rmtree(run_dir / ASIDE, ignore_errors=True)
+        _set_aside.discard(run_dir.resolve())
+
+
+def roll_back(run_dir: Optional[Path]) -> None:
+    """The new run failed before `finish_overwrite`: remove what it wrote, put the earlier run back."""
+    if run_dir is None or run_dir.resolve() not in _set_aside:
+        return
+    aside = run_dir / ASIDE
+    for name in RUN_ENTRIES:
+        _remove(run_dir / name)
+        if (aside / name).exists():
+            os.replace(aside / name, run_dir / name)
+    shutil.rmtree(aside, ignore_errors=True)
+    _set_aside.discard(run_dir.resolve())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()

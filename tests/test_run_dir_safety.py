@@ -1,0 +1,246 @@
+"""Nothing of an earlier run is lost: `--overwrite` with a mistake, a failure or a kill, and `--resume` of a
+damaged or finished run directory. Single-process `python src/train.py` runs: the launcher adds nothing here.
+
+Every comparison is against a snapshot (sha256 of every file) taken before the mistake, and resumed
+losses are compared with the losses the uninterrupted run logged, read back from TensorBoard.
+"""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import FAST, ROOT, TRAIN, _env, assert_ok, run_train
+from memtrain.config.args import parse_args
+from memtrain.errors import UserError
+from memtrain.tools.tb import read_scalars
+from memtrain.train.checkpoint import tag_for
+from memtrain.train.preflight import check_run
+
+RUN_ARGS = [*FAST, "--max-steps", "4", "--set", "train.save_interval=2"]
+
+
+def _snapshot(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 4-step run with model checkpoints at steps 2 and 4 (kept read-only: tests copy it)."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert_ok(run_train([*RUN_ARGS, "--run-dir", str(run)]))
+    return run
+
+
+def _copy(finished, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    return run
+
+
+# One process tries every mistake in turn through the real entry point (src/train.py's main); each is
+# caught before distributed start-up except the last (data shorter than one sequence, found when packing).
+MISTAKES = textwrap.dedent("""
+    import contextlib, io, json, sys
+    from memtrain.train.main import main
+    out = []
+    for argv in json.loads(sys.argv[1]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+                code = 0
+            except SystemExit as e:
+                code = e.code
+        out.append([code, err.getvalue().strip().splitlines()])
+    print(json.dumps(out))
+""")
+
+
+def test_overwrite_with_a_mistake_changes_nothing(finished, tmp_path):
+    run = _copy(finished, tmp_path)
+    before = _snapshot(run)
+    binary = tmp_path / "corpus.txt"
+    binary.write_bytes(b"text\0\x01\x02")
+    latin = tmp_path / "ds.json"
+    latin.write_bytes((ROOT / "ds_configs" / "zero3_ckpt.json").read_bytes().replace(b"}", b"} \xe9", 1))
+    offset = latin.read_bytes().index(b"\xe9")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    short = tmp_path / "short.txt"
+    short.write_text("far too short for one sequence")
+    s = lambda *pairs: [a for p in pairs for a in ("--set", p)]  # noqa: E731
+    cases = [  # (argv, the exact error line)
+        (s("activation_checkpointing.policy=modules", "activation_checkpointing.modules=[model.layers.*.mpl]"),
+         "embedded recipe 'tiny': activation_checkpointing.modules: 'model.layers.*.mpl' matches no module of "
+         "LlamaForCausalLM ('*' is one path part; e.g. model.layers.0.self_attn, model.layers.0.mlp, "
+         "model.layers.0.input_layernorm, model.layers.0.post_attention_layernorm)"),
+        (s("model.config.hidden_act=gelux"), "embedded recipe 'tiny': model.config.hidden_act: transformers cannot "
+         "build llama with it: 'gelux' is not a name it knows; did you mean 'gelu'?"),
+        (s(f"data.paths=[{binary}]"), f"embedded recipe 'tiny': data.paths: {binary}: binary data (a NUL byte at "
+         "offset 4); expected text (.txt files are read as text)"),
+        (["--deepspeed", str(latin)], f"{latin}: not UTF-8 text (byte 0xe9 at offset {offset}); a DeepSpeed config is "
+         "JSON, which is UTF-8"),
+        (["--max-steps", "abc"], "--max-steps: invalid int value: 'abc' (see train.py --help)"),
+        (s("data.seq_len=1"), "embedded recipe 'tiny': data.seq_len: 1 leaves no next token to predict (the labels "
+         "are the inputs shifted by one); expected 2 or more"),
+        (s(f"data.cache_dir={blocker}/cache"), f"embedded recipe 'tiny': data.cache_dir: '{blocker}/cache' cannot be "
+         f"created: '{blocker}' is a file, not a directory"),
+        (["--resume"], "--overwrite: cannot be combined with --resume (resume continues a run, overwrite deletes it)"),
+        (s(f"data.paths=[{short}]", f"data.cache_dir={tmp_path}/cache"),
+         "data.paths: 1 file(s) hold 31 tokens, fewer than one sequence of data.seq_len=64"),
+    ]
+    argvs = [[*RUN_ARGS, *argv, "--run-dir", str(run), "--overwrite"] for argv, _ in cases]
+    proc = subprocess.run([sys.executable, "-c", MISTAKES, json.dumps(argvs)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert_ok(proc)
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (argv, line), (code, err) in zip(cases, results):
+        assert (code, err) == (2, [f"memtrain: error: {line}"]), argv
+    assert _snapshot(run) == before
+
+
+def _kill_in_save_env(tmp_path, step):
+    """SIGKILL the process as it renames step `step`'s shards into place: a sitecustomize (imported by
+    Python at start-up) wraps os.replace, so no test hook lives in the product's save path."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, signal\n_replace = os.replace\n"
+        "def replace(src, dst, *args, **kwargs):\n"
+        f"    if os.path.basename(str(src)) == '.tmp-{tag_for(step)}':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return _replace(src, dst, *args, **kwargs)\n"
+        "os.replace = replace\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(hooks), env["PYTHONPATH"]])
+    return env
+
+
+def test_overwrite_that_fails_or_is_killed_before_its_first_checkpoint(finished, tmp_path):
+    run = _copy(finished, tmp_path)
+    before = _snapshot(run)
+    # A run that fails (NaN loss: GPT-2 with lr=1e6) before its first model checkpoint: the earlier run comes back.
+    nan = run_train(["--recipe", str(ROOT / "recipes" / "gpt2-small.yaml"), *FAST, "--max-steps", "12",
+                     "--set", "train.lr=1e6", "--set", "train.warmup_steps=1", "--run-dir", str(run), "--overwrite"])
+    assert nan.returncode == 1 and "memtrain: error: loss is" in nan.stderr, nan.stderr[-3000:]
+    assert _snapshot(run) == before
+
+    # Killed in its first save: the earlier run is still on disk, whole, under .overwritten/ ...
+    killed = subprocess.run([sys.executable, str(TRAIN), *RUN_ARGS, "--run-dir", str(run), "--overwrite"], cwd=ROOT,
+                            env=_kill_in_save_env(tmp_path, 2), capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert _snapshot(run / ".overwritten") == before
+    with pytest.raises(UserError, match=r"--resume: no model checkpoint in .*; an interrupted --overwrite left the "
+                                        r"earlier run in .*\.overwritten: move its entries back"):
+        check_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--resume"]), 1)
+
+    # ... until an --overwrite saves a model checkpoint: then, and only then, it is gone.
+    assert_ok(run_train([*RUN_ARGS, "--set", "train.seed=7", "--run-dir", str(run), "--overwrite"]))
+    assert not (run / ".overwritten").exists()
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert json.loads((run / "config.json").read_text())["recipe"]["train"]["seed"] == 7
+    assert len(list((run / "tb").glob("events.out.tfevents.*"))) == 1
+
+
+def _resume_check(run, *extra, world=1):
+    return check_run(parse_args([*RUN_ARGS, *extra, "--run-dir", str(run), "--resume"]), world)
+
+
+def test_resume_refuses_or_falls_back_on_each_damaged_file(finished, tmp_path):
+    """Each file of the run directory damaged in turn, checked by the preflight (as every worker does)."""
+    shard = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    checks = {  # file damaged -> (how, warning or error expected)
+        "config.json": lambda p: p.write_text(p.read_text()[:100]),  # not read to resume: still resumable
+        f"checkpoints/{tag_for(4)}/{shard}": lambda p: p.write_bytes(p.read_bytes()[:5000]),
+        f"checkpoints/{tag_for(4)}/zero_pp_rank_0_mp_rank_00_model_states.pt": lambda p: p.write_bytes(b""),
+        f"checkpoints/{tag_for(4)}/rng_rank0.pt": lambda p: p.unlink(),
+        "checkpoints/latest": lambda p: p.write_text("step00000009"),  # not read: the step directories decide
+    }
+    expected = {
+        "config.json": None,
+        f"checkpoints/{tag_for(4)}/{shard}": f"{shard} (truncated or corrupt (5000 bytes: File is not a zip file))",
+        f"checkpoints/{tag_for(4)}/zero_pp_rank_0_mp_rank_00_model_states.pt":
+            "zero_pp_rank_0_mp_rank_00_model_states.pt (empty)",
+        f"checkpoints/{tag_for(4)}/rng_rank0.pt": "rng_rank0.pt (missing)",
+        "checkpoints/latest": None,
+    }
+    for i, (name, damage) in enumerate(checks.items()):
+        run = tmp_path / f"run{i}"
+        shutil.copytree(finished, run)
+        damage(run / name)
+        if expected[name] is None:  # the newest checkpoint is intact: a finished run, refused as such
+            with pytest.raises(UserError) as e:
+                _resume_check(run)
+            assert str(e.value) == (f"--resume: {run} has finished: summary.json says completed after 4 steps; its "
+                                    "model checkpoint is at step 4 and train.max_steps is 4; its results are kept "
+                                    "as they are (pass a larger --max-steps to train further, or use a new --run-dir)")
+            continue
+        warnings = _resume_check(run).warnings
+        assert f"--resume: model checkpoint {run / 'checkpoints' / tag_for(4)} is damaged ({expected[name]}); " \
+               f"skipped, resuming from {tag_for(2)}; it is moved to .damaged-{tag_for(4)}" in warnings, name
+
+    run = tmp_path / "nothing-left"
+    shutil.copytree(finished, run)
+    (run / "checkpoints" / tag_for(2) / shard).write_bytes(b"")
+    (run / "checkpoints" / tag_for(4) / shard).write_bytes(b"PK")
+    with pytest.raises(UserError) as e:
+        _resume_check(run)
+    assert str(e.value) == (f"--resume: no intact model checkpoint in {run / 'checkpoints'}; the newest, "
+                            f"{run / 'checkpoints' / tag_for(4)}, is damaged: {shard} (truncated or corrupt (2 bytes: "
+                            "File is not a zip file)) (and 1 older ones)")
+
+    run = tmp_path / "other-shape"
+    shutil.copytree(finished, run)
+    with pytest.raises(UserError) as e:
+        _resume_check(run, "--max-steps", "6", "--set", "model.config.intermediate_size=256")
+    assert str(e.value) == (f"--resume: {run / 'checkpoints' / tag_for(4)}/zero_pp_rank_0_mp_rank_00_model_states.pt:"
+                            " 'model.layers.0.mlp.gate_proj.weight' has shape [352, 128] in the model checkpoint but "
+                            "[256, 128] in this recipe's model; the recipe's model differs from the run's (model.*)")
+    with pytest.raises(UserError, match=r"was saved by 1 ranks, this launch has 2; .* relaunch with 1"):
+        _resume_check(run, "--max-steps", "6", world=2)
+
+
+def test_resume_past_damaged_checkpoints_equals_the_run(finished, tmp_path):
+    """Newest checkpoint truncated, an empty step directory above it, config.json cut: the resumed run
+    continues from step 2 and recomputes steps 3-4 exactly; finished, it refuses to resume again."""
+    run = _copy(finished, tmp_path)
+    ckpt = run / "checkpoints"
+    shard = ckpt / tag_for(4) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:5000])
+    (ckpt / tag_for(3)).mkdir()
+    (run / "config.json").write_text((run / "config.json").read_text()[:100])
+    with pytest.raises(json.JSONDecodeError) as cut:
+        json.loads((run / "config.json").read_text())
+    cut_error = str(cut.value)
+    proc = run_train([*RUN_ARGS, "--run-dir", str(run), "--resume"])
+    assert_ok(proc)
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: --resume")]
+    assert warnings == [
+        f"warning: --resume: {run / 'config.json'} is damaged ({cut_error}); not needed to resume, it is rewritten "
+        "from this launch's inputs",
+        f"warning: --resume: model checkpoint {ckpt / tag_for(4)} is damaged (zero_pp_rank_0_mp_rank_00_optim_states.pt "
+        f"(truncated or corrupt (5000 bytes: File is not a zip file))); skipped, resuming from {tag_for(2)}; it is "
+        f"moved to .damaged-{tag_for(4)}",
+        f"warning: --resume: model checkpoint {ckpt / tag_for(3)} is damaged (no model states file (the directory "
+        f"holds no checkpoint file)); skipped, resuming from {tag_for(2)}; it is moved to .damaged-{tag_for(3)}"]
+    assert (ckpt / f".damaged-{tag_for(4)}" / shard.name).stat().st_size == 5000  # kept for inspection
+    whole = dict(read_scalars(finished / "tb")["train/loss"])
+    resumed = read_scalars(run / "tb")["train/loss"]
+    assert [s for s, _ in resumed] == [1, 2, 3, 4]
+    assert dict(resumed) == whole  # steps 3-4 recomputed exactly from the step-2 checkpoint
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    before = _snapshot(run)
+    again = run_train([*RUN_ARGS, "--run-dir", str(run), "--resume"])
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"memtrain: error: --resume: {run} has finished: summary.json says completed after 4 steps; its model "
+        "checkpoint is at step 4 and train.max_steps is 4; its results are kept as they are (pass a larger "
+        "--max-steps to train further, or use a new --run-dir)"]
+    assert _snapshot(run) == before
