@@ -185,7 +185,7 @@ AUTO_KEYS: tuple[AutoKey, ...] = (
             _positive_int, "a positive integer", must_match=True, if_missing=True),
     AutoKey("gradient_accumulation_steps", "train.grad_accum_steps", lambda c: c.recipe.train.grad_accum_steps,
             _positive_int, "a positive integer", must_match=True, if_missing=True),
-    AutoKey("train_batch_size", "train.micro_batch_size x train.grad_accum_steps x world size",
+    AutoKey("train_batch_size", "micro batch x grad accum x world size",
             lambda c: c.recipe.train.micro_batch_size * c.recipe.train.grad_accum_steps * c.world_size,
             _positive_int, "a positive integer", must_match=True, if_missing=True),
     AutoKey("gradient_clipping", "train.grad_clip", lambda c: c.recipe.train.grad_clip, _number, "a number >= 0"),
@@ -207,7 +207,7 @@ AUTO_KEYS: tuple[AutoKey, ...] = (
     AutoKey("scheduler.params.total_num_steps", "train.max_steps", lambda c: c.recipe.train.max_steps,
             _positive_int, "a positive integer"),
     # DeepSpeed >= 0.19.6 rejects 0 warm-up steps; transformers fills max(1, warmup) for the same reason.
-    AutoKey("scheduler.params.warmup_num_steps", "train.warmup_steps (at least 1)",
+    AutoKey("scheduler.params.warmup_num_steps", "train.warmup_steps",
             lambda c: max(1, c.recipe.train.warmup_steps), _positive_int, "a positive integer"),
     AutoKey("scheduler.params.cos_min_ratio", "train.min_lr / train.lr",
             lambda c: c.recipe.train.min_lr / c.recipe.train.lr, _number, "a number >= 0"),
@@ -320,8 +320,9 @@ def recipe_disagreements(cfg: dict, recipe: Recipe, world_size: int) -> list[tup
             same = isinstance(value, (list, tuple)) and list(value) == wanted
         else:
             same = value == wanted
-        if a.key == "scheduler.params.warmup_num_steps":
-            same = value == recipe.train.warmup_steps or same
+        if a.key == "scheduler.params.warmup_num_steps":  # the recipe's value; "auto" fills at least 1
+            wanted = recipe.train.warmup_steps
+            same = value == wanted or (wanted == 0 and value == 1)
         if not same:
             out.append((a, value, wanted))
     return out

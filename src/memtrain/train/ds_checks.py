@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from memtrain.config.ds_config import AUTO_BY_KEY, get, offload_device, unfillable_auto
+from memtrain.config.ds_config import get, offload_device, unfillable_auto
 from memtrain.errors import UserError
 
 # Optimizer params DeepSpeed's engine consumes itself before constructing the class (engine.py,
@@ -30,8 +30,8 @@ def _first_line(e: BaseException) -> str:
 def check_unfilled_auto(raw: dict, source: str) -> None:
     left = unfillable_auto(raw)
     if left:
-        raise UserError(f"{source}: {left[0]}: \"auto\" is not a value memtrain can fill (it fills: "
-                        f"{', '.join(sorted(AUTO_BY_KEY))}); write a value")
+        raise UserError(f"{source}: {left[0]}: \"auto\" is not a value memtrain can fill (neither can "
+                        "transformers); write a value (`python -m memtrain explain-config` lists the keys it fills)")
 
 
 def _dummy() -> list[torch.nn.Parameter]:

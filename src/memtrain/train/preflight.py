@@ -149,10 +149,15 @@ def check_ds_json(cfg: dict, source: str) -> list[str]:
 
 def check_batch(cfg: dict, source: str, recipe, world_size: int) -> None:
     """Explicit JSON batch values must agree with the recipe and the world size."""
+    t = recipe.train
     for a, value, wanted in recipe_disagreements(cfg, recipe, world_size):
-        if a.must_match:
-            raise UserError(f"{source}: {a.key}: {value} disagrees with {a.source} = {wanted}; "
-                            f"write \"auto\" or {wanted}")
+        if not a.must_match:
+            continue
+        if a.key == "train_batch_size":
+            raise UserError(f"{source}: train_batch_size: {value} != micro batch {t.micro_batch_size} x grad accum "
+                            f"{t.grad_accum_steps} x world size {world_size} = {wanted}; write \"auto\" or {wanted}")
+        raise UserError(f"{source}: {a.key}: {value} disagrees with the recipe's {a.source}={wanted}; "
+                        "write \"auto\" or make them equal")
 
 
 def _recipe_overrides(cfg: dict, source: str, recipe, world_size: int = 1) -> list[str]:
@@ -219,8 +224,6 @@ def deepspeed_accepts(raw: dict, resolved: dict, source: str, recipe=None) -> No
     ds_checks.check_optimizer(resolved, source)
     with ds_log.silenced():  # DeepSpeed's schedulers log warnings while they check
         _optimizer_and_scheduler(raw, resolved, source, recipe)
-    ds_checks.check_dtype_support(resolved, source)
-    ds_checks.check_nvme(resolved, source)
 
     cfg = copy.deepcopy(resolved)
     cfg.pop("train_batch_size", None)  # checked above against the real world size; here world is 1
@@ -233,6 +236,8 @@ def deepspeed_accepts(raw: dict, resolved: dict, source: str, recipe=None) -> No
     except Exception as e:  # DeepSpeed reports config mistakes as asserts and ValueErrors
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{source}: DeepSpeed rejects it: {first}") from None
+    ds_checks.check_dtype_support(resolved, source)  # after DeepSpeed's own checks (e.g. fp16 and bf16 both on)
+    ds_checks.check_nvme(resolved, source)
 
 
 # --------------------------------------------------------------------------- cross-file
@@ -329,6 +334,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from memtrain.model.data import prepare_data
 
+    ds_log.quiet_accelerator_detection()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
