@@ -99,7 +99,8 @@ def trained(tmp_path_factory):
     out = {}
     for name in ("noopt_zero3_ac.json", "auto_everywhere_ac.json", "accelerate_zero2_noopt.json"):
         run_dir = tmp_path_factory.mktemp(name.split(".")[0]) / "run"
-        proc = run_train(["--deepspeed", str(CORPUS / name), "--run-dir", str(run_dir), *FAST, *STEPS], nproc=2)
+        save = ["--set", "train.save_interval=2"] if name.startswith("noopt") else []  # step 2 for the export test
+        proc = run_train(["--deepspeed", str(CORPUS / name), "--run-dir", str(run_dir), *FAST, *STEPS, *save], nproc=2)
         assert_ok(proc)
         out[name] = (run_dir, proc)
     return out
@@ -173,3 +174,40 @@ def test_number_checkpoints_counts_checkpoint_calls(tmp_path):
         finally:
             torch.utils.checkpoint.checkpoint = real
         assert checkpoint_calls(model, plan) == len(calls) > 0, policy
+
+
+def test_final_and_export_load_with_transformers(trained):
+    """`memtrain export RUN --step 2` loads with transformers and gives the loss the run logged at
+    step 3 (computed on the weights after 2 updates, over both ranks' batches); final/ (gathered
+    ZeRO-3 weights at the end) equals the export of the last checkpoint; the tokenizer round-trips."""
+    import subprocess
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import _env
+    from memtrain.model.data import prepare_data
+
+    run_dir = trained["noopt_zero3_ac.json"][0]
+    exported = {}
+    for step in (2, 3):
+        proc = subprocess.run([sys.executable, "-m", "memtrain", "export", str(run_dir), "--step", str(step)],
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        exported[step] = AutoModelForCausalLM.from_pretrained(proc.stdout.strip().splitlines()[-1]).eval()
+    recipe = parse_args(["--deepspeed", str(CORPUS / "noopt_zero3_ac.json"), *FAST, *STEPS]).recipe
+    t = recipe.train
+    data = prepare_data(recipe.data, t.seed, build=False)
+    with torch.no_grad():
+        losses = [exported[2](input_ids=ids, labels=ids).loss.item()
+                  for ids in (data.batch(2, 0, rank, 2, t.micro_batch_size, t.grad_accum_steps) for rank in (0, 1))]
+    logged = dict(read_scalars(run_dir / "tb")["train/loss"])[3]
+    assert sum(losses) / 2 == pytest.approx(logged, rel=1e-4)
+
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    last = exported[3].state_dict()
+    for name, value in final.state_dict().items():
+        torch.testing.assert_close(value.float(), last[name].float(), msg=name)
+    tok = AutoTokenizer.from_pretrained(run_dir / "final")
+    assert tok("héllo")["input_ids"] == list("héllo".encode()) and tok.eos_token_id == 256

@@ -325,6 +325,10 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     completed = step + 1 if status == "preempted" else t.max_steps
     if t.save_checkpoints and (completed > start or status == "preempted"):
         checkpoint.save(engine, ckpt_dir, completed, t.keep_last)
+    if t.save_checkpoints and status == "completed":  # final/: loads with transformers' from_pretrained
+        from memtrain.tools.export import save_final
+
+        save_final(engine, engine.module, run_dir / "final", recipe.data.tokenizer)
     summary = {
         "status": status,
         "steps": completed,
@@ -392,7 +396,7 @@ def _clear_run(run_dir: Path) -> None:
     """--overwrite: remove what a previous run left (validation has run; the user asked for it)."""
     import shutil
 
-    for name in ("tb", "checkpoints"):
+    for name in ("tb", "checkpoints", "final"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
     for name in ("summary.json", "config.json"):
         (run_dir / name).unlink(missing_ok=True)
