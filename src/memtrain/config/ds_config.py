@@ -263,7 +263,7 @@ def _set(cfg: dict, dotted: str, value: Any, if_missing: bool) -> None:
 
 
 def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path, num_ac_layers: int,
-                      hidden_size: Optional[int] = None) -> dict:
+                      hidden_size: Optional[int] = None, default_tensorboard: bool = False) -> dict:
     """A copy of the DeepSpeed JSON with every "auto" of `AUTO_KEYS` filled. `num_ac_layers`:
     checkpoint calls per forward; `hidden_size`: the model's (None leaves the model's "auto"s)."""
     cfg = copy.deepcopy(raw)
@@ -278,6 +278,8 @@ def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path,
         # that is not DeepSpeed's only with this flag (transformers sets it the same way)
         cfg.setdefault("zero_allow_untested_optimizer", True)
     cfg.setdefault("steps_per_print", 10**9)  # memtrain logs itself; keep DeepSpeed's stdout quiet
+    if default_tensorboard:  # a run's metrics go to run_dir/tb (the summary points there) unless the
+        cfg.setdefault("tensorboard", {"enabled": True})  # JSON turns it off; HF-style JSONs have no section
     for monitor, sub in (("tensorboard", "tb"), ("csv_monitor", "csv")):
         if isinstance(cfg.get(monitor), dict):
             cfg[monitor]["output_path"] = str(run_dir)

@@ -204,7 +204,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     progress.run_dir = run_dir
     ds_log.to_file(run_dir, rank)  # DeepSpeed's own log: run_dir/deepspeed.log, not the console
     ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, len(plan.offload_units),
-                                  hidden_size=model_hidden_size(config))
+                                  hidden_size=model_hidden_size(config), default_tensorboard=True)
     predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
     if rank == 0:
         if args.overwrite:  # stale events or checkpoints must not mix into the new run
