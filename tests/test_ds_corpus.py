@@ -211,3 +211,27 @@ def test_final_and_export_load_with_transformers(trained):
         torch.testing.assert_close(value.float(), last[name].float(), msg=name)
     tok = AutoTokenizer.from_pretrained(run_dir / "final")
     assert tok("héllo")["input_ids"] == list("héllo".encode()) and tok.eos_token_id == 256
+
+
+def test_stale_build_lock_is_cleared_live_one_kept(tmp_path, monkeypatch):
+    """A lock left by a killed op build is removed with one line; one with a live build is kept."""
+    import os
+    import subprocess
+    import time
+
+    from memtrain.train.ds_checks import clear_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old = time.time() - 300
+    for op in ("stale_op", "live_op"):
+        (tmp_path / op).mkdir()
+        (tmp_path / op / "lock").write_text("")
+        os.utime(tmp_path / op / "lock", (old, old))
+    builder = subprocess.Popen(["sleep", "60"], cwd=tmp_path / "live_op")  # stands for ninja in the op's folder
+    try:
+        lines = clear_stale_build_locks()
+    finally:
+        builder.kill()
+        builder.wait()
+    assert len(lines) == 1 and "stale_op/lock" in lines[0]
+    assert not (tmp_path / "stale_op" / "lock").exists() and (tmp_path / "live_op" / "lock").exists()
