@@ -235,3 +235,30 @@ def test_stale_build_lock_is_cleared_live_one_kept(tmp_path, monkeypatch):
         builder.wait()
     assert len(lines) == 1 and "stale_op/lock" in lines[0]
     assert not (tmp_path / "stale_op" / "lock").exists() and (tmp_path / "live_op" / "lock").exists()
+
+
+def test_explain_config_says_what_each_key_does(capsys):
+    from memtrain.tools.explain_config import main
+
+    main(["--deepspeed", str(CORPUS / "megatron_ac_contiguous.json"), *FAST, *STEPS])
+    out = capsys.readouterr().out.splitlines()
+    line = {ln.split(" = ")[0]: ln for ln in out if " = " in ln}
+    assert len(line) == 19  # one per key of the JSON
+    assert line["optimizer.params.lr"].endswith('filled 0.003 from train.lr')
+    assert line["train_batch_size"].endswith("filled 8 from micro batch x grad accum x world size")
+    assert "no-op here: shards checkpoints across a model-parallel group" in line["activation_checkpointing.partition_activations"]
+    assert line["zero_optimization.stage"].endswith("in effect")
+    assert "filled 4 from the AC plan's checkpoint calls" in line["activation_checkpointing.number_checkpoints"]
+    main(["--deepspeed", str(CORPUS / "dse_zero1_fp16.json"), *FAST, *STEPS])
+    out = capsys.readouterr().out.splitlines()
+    fp16 = next(ln for ln in out if ln.startswith("fp16.enabled = true"))
+    assert "rejected: fp16.enabled: true, but this machine's accelerator (cpu) does not support fp16" in fp16
+    assert any("optimizer.params.lr = 0.00015: in effect (overrides the recipe's train.lr=0.003)" == ln for ln in out)
+
+
+def test_skipped_steps_warning_threshold():
+    from memtrain.train.loss_scale import skipped_warning
+
+    assert skipped_warning(5, 100) is None  # 5% exactly: fine
+    assert "6 of 100 optimizer steps (6%) were skipped" in skipped_warning(6, 100)
+    assert skipped_warning(0, 0) is None
