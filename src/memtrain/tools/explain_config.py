@@ -125,7 +125,4 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="memtrain explain-config", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2)
     known, rest = p.parse_known_args(argv)
-    from memtrain.train.ds_log import quiet_accelerator_detection
-
-    quiet_accelerator_detection()
     print("\n".join(explain(rest, known.world_size)))

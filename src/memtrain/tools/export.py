@@ -3,8 +3,8 @@
 
 Written with `save_pretrained` (safetensors) plus the tokenizer, so that
 `AutoModelForCausalLM.from_pretrained(dir)` loads it; no DeepSpeed needed to read it.
-- end of a run (`save_final`): every rank gathers the ZeRO-3 partitions (DeepSpeed's
-  GatheredParameters), rank 0 writes the weights in the engine's compute dtype (16-bit under bf16/fp16).
+- end of a run (`save_final`): DeepSpeed gathers the ZeRO-3 partitions layer by layer to rank 0,
+  which writes the weights in the engine's compute dtype (16-bit under bf16/fp16).
 - from a checkpoint (`export`): DeepSpeed's own zero_to_fp32 consolidation of the shards (any stage,
   one CPU process), in fp32.
 """
@@ -50,17 +50,16 @@ def save_tokenizer(spec: str, out: Path) -> None:
 
 
 def save_final(engine, model, out: Path, tokenizer_spec: str) -> None:
-    """End of a run, on every rank: gather (ZeRO-3) and let rank 0 write `out`."""
-    import deepspeed
+    """End of a run, on every rank: rank 0 writes `out`. Under ZeRO-3 DeepSpeed's own consolidation
+    gathers one layer at a time to rank 0's host memory (as `save_16bit_model` and accelerate do)."""
     import deepspeed.comm as dist
 
-    params = list(model.parameters())
-    zero3 = any(hasattr(p, "ds_id") for p in params)
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
-        if dist.get_rank() == 0:
-            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-            model.save_pretrained(out, state_dict=state, safe_serialization=True)
+    if engine.zero_optimization_partition_weights():
+        state = engine._zero3_consolidated_16bit_state_dict()  # every rank takes part; None off rank 0
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()} if dist.get_rank() == 0 else None
     if dist.get_rank() == 0:
+        model.save_pretrained(out, state_dict=state, safe_serialization=True)
         save_tokenizer(tokenizer_spec, out)
     dist.barrier()
 
@@ -108,7 +107,4 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--step", type=int, help="the model checkpoint of this step (default: the newest)")
     p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export-stepNNNNNNNN)")
     args = p.parse_args(argv)
-    from memtrain.train.ds_log import quiet_accelerator_detection
-
-    quiet_accelerator_detection()
     print(export(args.run_dir, args.step, args.out))

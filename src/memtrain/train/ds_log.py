@@ -5,18 +5,8 @@ warmup_num_steps 4", which memtrain's own validation already covers) stay readab
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
-
-
-def quiet_accelerator_detection() -> None:
-    """DeepSpeed warns "Setting accelerator to CPU" on import when it finds no GPU; naming the
-    accelerator up front (DeepSpeed's own DS_ACCELERATOR) is the same choice without the warning."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _logger() -> logging.Logger:

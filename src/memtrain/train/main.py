@@ -9,9 +9,6 @@ from memtrain.errors import cli_entry
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
-    from memtrain.train.ds_log import quiet_accelerator_detection
-
-    quiet_accelerator_detection()  # before anything imports deepspeed
     from memtrain.train.trainer import train
 
     train(parse_args(argv))

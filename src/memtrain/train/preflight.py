@@ -334,7 +334,6 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from memtrain.model.data import prepare_data
 
-    ds_log.quiet_accelerator_detection()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)

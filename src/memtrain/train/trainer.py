@@ -181,7 +181,6 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
 
     # --- distributed set-up
     single_process_env()
-    ds_log.quiet_accelerator_detection()
     import deepspeed
     import deepspeed.comm as dist
     from tqdm import tqdm
