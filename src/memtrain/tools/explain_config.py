@@ -96,7 +96,12 @@ def explain(argv: list[str], world_size: int) -> list[str]:
         elif value == AUTO and key not in MONITOR_KEYS:
             lines.append(f"{key} = \"auto\": rejected: memtrain cannot fill it")
         else:
-            why = _noop(key, raw, resolved, backend)
+            # the AC plan's own notes on JSON keys that do nothing here (where the plan has them)
+            notes = {n.partition(": ")[0]: n.partition(": ")[2] for n in getattr(getattr(checked, "plan", None),
+                                                                              "notes", ())}
+            ac_key = key.partition("activation_checkpointing.")[2]
+            why = notes.get(ac_key) if ac_key and get(raw, key) is True else None
+            why = why or _noop(key, raw, resolved, backend)
             lines.append(f"{key} = {shown}: " + (f"no-op here: {why}" if why else "in effect")
                          + (f" ({overrides[key]})" if key in overrides and not why else ""))
     added = sorted(k for k, _ in _leaves(resolved) if get(raw, k, None) is None and k.split(".")[0] != "tensorboard")
