@@ -73,3 +73,14 @@ def engine_arguments(model, cfg: dict, recipe) -> dict:
     if own_scheduler(cfg):
         out["lr_scheduler"] = build_schedule(recipe)
     return out
+
+
+def own_sections(cfg: dict, recipe) -> dict:
+    """For config.json: the optimizer and schedule memtrain builds where the JSON has no section."""
+    out = {}
+    if own_optimizer(cfg):
+        out["memtrain_optimizer"] = {"type": optimizer_name(cfg), "params": {**optimizer_kwargs(recipe),
+                                                                              "betas": list(recipe.train.adam_betas)}}
+    if own_scheduler(cfg):
+        out["memtrain_scheduler"] = {"type": "WarmupCosineLR", "params": schedule_kwargs(recipe)}
+    return out

@@ -24,7 +24,7 @@ from memtrain.model.data import RandomTokens, prepare_data, to_device
 from memtrain.config.ds_config import AUTO, get, model_hidden_size, resolve_ds_config, zero_stage
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
-from memtrain.train.optimizer import engine_arguments
+from memtrain.train.optimizer import engine_arguments, own_sections
 from memtrain.errors import EXIT_RUN_FAILED, RunFailed, UserError
 from memtrain.train.faults import RunPosition, is_oom, nonfinite_loss_message, oom_message, write_failure
 from memtrain.model.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
@@ -366,9 +366,10 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
 
 def _write_config(run_dir: Path, args: RunArgs, ds_config: dict, world: int, plan) -> None:
     """config.json: the recipe and the resolved DeepSpeed JSON (every "auto" filled) this run uses."""
-    checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(
-        {"recipe": args.recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
-         "world_size": world, "ac_plan": plan.to_dict()}, indent=2))
+    record = {"recipe": args.recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
+              "world_size": world, "ac_plan": plan.to_dict()}
+    record.update(own_sections(ds_config, args.recipe))  # what memtrain builds for missing sections
+    checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(record, indent=2))
 
 
 def _recompute_flops(config, seq_len: int, plan) -> Optional[float]:
