@@ -131,6 +131,7 @@ def test_runs_are_quiet_and_recorded(trained):
         # the launcher's own lines (runner.py, launch.py) come before memtrain runs; none from the workers
         assert all("launch.py" in line or "runner.py" in line or "real_accelerator" in line
                    for line in worker_lines), worker_lines
+        assert "Writing model shards" not in proc.stdout + proc.stderr  # final/ is written quietly
         assert (run_dir / "deepspeed.log").is_file()
         config = json.loads((run_dir / "config.json").read_text())["deepspeed"]
         assert auto_paths(config) == [], name

@@ -59,7 +59,13 @@ def save_final(engine, model, out: Path, tokenizer_spec: str) -> None:
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()} if dist.get_rank() == 0 else None
     if dist.get_rank() == 0:
-        model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a clean run's console: plan, bar, summary
+        try:
+            model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        finally:
+            hf_logging.enable_progress_bar()
         save_tokenizer(tokenizer_spec, out)
     dist.barrier()
 
