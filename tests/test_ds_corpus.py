@@ -7,8 +7,11 @@ the real launcher on 2 CPU ranks (a launch costs ~30 s here, so only these):
 - noopt_zero3_ac.json and auto_everywhere_ac.json: the same job without and with optimizer/scheduler
   sections. memtrain's own AdamW + schedule must give DeepSpeed's own AdamW + WarmupCosineLR losses.
 - accelerate_zero2_noopt.json: ZeRO-2 without an optimizer ("zero stage 2 requires an optimizer").
-The other "train" files were trained the same way by hand (ZeRO-0 LLaMA-Factory, ZeRO-3 LLaMA-Factory,
-axolotl bf16); the offload ones pass preflight but would JIT-build DeepSpeed's CPU Adam (minutes).
+The other "train" files were trained the same way by hand, 2 steps on 2 CPU ranks (2026-11-23, this
+2-core box): llamafactory_ds_z0 (ZeRO-0), llamafactory_ds_z3 (ZeRO-3), axolotl_zero3_bf16 (bf16),
+megatron_ac_contiguous (DeepSpeed's checkpoint with contiguous_memory_optimization), internvl_zero1,
+dse_zero2_explicit. The two CPU-offload ones pass preflight but are not trained here: an offloaded
+optimizer needs DeepSpeed's CPU Adam, a JIT build of minutes (preflight warns of it up front).
 """
 import json
 import sys
