@@ -44,7 +44,7 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 # and no launcher or worker starts.
 train: setup
 	$(BIN)/python -m memtrain.train.preflight --world-size $(NPROC) --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
-	$(BIN)/deepspeed --num_gpus $(NPROC) src/train.py --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
+	$(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
 
 ## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points)
 sweep: setup
