@@ -51,9 +51,6 @@ def get(cfg: dict, dotted: str, default: Any = None) -> Any:
     return node
 
 
-_get = get  # old name
-
-
 def has(cfg: dict, dotted: str) -> bool:
     missing = object()
     return get(cfg, dotted, missing) is not missing
