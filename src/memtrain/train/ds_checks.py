@@ -94,8 +94,10 @@ def check_optimizer(cfg: dict, source: str) -> None:
             raise UserError(f"{source}: {where}: not a parameter of {cls.__name__}, which DeepSpeed builds for "
                             f"{json.dumps(name)} here ({_first_line(e)}); allowed: {', '.join(allowed)}") from None
         if cls.__module__.startswith("torch."):
+            # implementation switches need the real device (fused=True refuses a CPU dummy): ranges only
+            values = {k: v for k, v in kw.items() if k not in ("fused", "foreach", "capturable")}
             try:
-                cls(_dummy(), **kw)
+                cls(_dummy(), **values)
             except Exception as e:  # torch checks its ranges in __init__ (ValueError, TypeError)
                 raise UserError(f"{source}: optimizer.params: {cls.__name__} rejects them: {_first_line(e)}") from None
 
