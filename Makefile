@@ -26,7 +26,7 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 RECIPE_ARG := $(if $(RECIPE),--recipe $(RECIPE),)
 
-.PHONY: setup train test clean sweep report ac-profile slurm-submit test-slurm bench gpu-check plan
+.PHONY: setup train test clean sweep report ac-profile slurm-submit test-slurm bench gpu-check plan explain
 
 setup: $(VENV)/.installed
 
@@ -44,7 +44,7 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 # and no launcher or worker starts.
 train: setup
 	$(BIN)/python -m memtrain.train.preflight --world-size $(NPROC) --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
-	$(BIN)/deepspeed --num_gpus $(NPROC) src/train.py --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
+	$(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
 
 ## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points)
 sweep: setup
@@ -63,6 +63,10 @@ ac-profile: setup
 plan: setup
 	$(BIN)/python -m memtrain.tools.plan --deepspeed $(DS) $(RECIPE_ARG) $(if $(BUDGET),--budget=$(BUDGET)) \
 	  $(if $(NGPUS),--ngpus $(NGPUS)) $(if $(DEVICE),--device $(DEVICE)) $(ARGS)
+
+## explain: one line per key of DS (a DeepSpeed JSON) under RECIPE: filled from the recipe, in effect, a no-op here, or rejected
+explain: setup
+	$(BIN)/python -m memtrain explain-config --world-size $(NPROC) --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
 
 ## slurm-submit: slurm/train.sbatch on NODES whole nodes x GPUS GPUs (GPUS=0: NPROC CPU ranks per node); TIME= PARTITION= ACCOUNT= optional
 slurm-submit: setup

@@ -1,15 +1,21 @@
-"""DeepSpeed JSON: load, check, and fill recipe-dependent "auto" values.
+"""DeepSpeed JSON: load it, and fill its "auto" values from the recipe and the model (one table).
 
-As with transformers' DeepSpeed integration, values such as batch sizes, learning rate
-and schedule length may be written as "auto" in the JSON; they are filled from the recipe
-so the two files cannot disagree. Everything else is passed to DeepSpeed untouched.
+As with transformers' DeepSpeed integration (`HfTrainerDeepSpeedConfig`), values such as batch
+sizes, learning rate, Adam's betas/eps, the schedule's length and the ZeRO bucket sizes may be
+written "auto"; they are filled from the recipe and the model so the files cannot disagree.
+`AUTO_KEYS` is the one list of what memtrain fills and from where: validation
+(memtrain.train.preflight), `memtrain explain-config` and the trainer all read it.
+What DeepSpeed itself defines about its JSON (its keys, the activation-checkpointing defaults)
+is taken from DeepSpeed's own modules here, not copied.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,7 +45,7 @@ def bf16_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def _get(cfg: dict, dotted: str, default: Any = None) -> Any:
+def get(cfg: dict, dotted: str, default: Any = None) -> Any:
     node: Any = cfg
     for k in dotted.split("."):
         if not isinstance(node, dict) or k not in node:
@@ -48,8 +54,206 @@ def _get(cfg: dict, dotted: str, default: Any = None) -> Any:
     return node
 
 
-def _fill(cfg: dict, dotted: str, value: Any, *, if_missing: bool = False) -> None:
-    """Replace an "auto" value (or a missing one when if_missing) at a dotted path."""
+def has(cfg: dict, dotted: str) -> bool:
+    missing = object()
+    return get(cfg, dotted, missing) is not missing
+
+
+def zero_stage(cfg: dict) -> int:
+    stage = get(cfg, "zero_optimization.stage", 0)
+    return int(stage) if isinstance(stage, int) else 0
+
+
+def offload_device(cfg: dict, what: str) -> str:
+    """'none', 'cpu' or 'nvme' for zero_optimization.offload_<what> (optimizer or param)."""
+    return str(get(cfg, f"zero_optimization.offload_{what}.device") or "none")
+
+
+# --------------------------------------------------------------------------- what DeepSpeed defines
+
+@functools.lru_cache(maxsize=None)
+def deepspeed_top_level_keys() -> frozenset:
+    """The top-level keys DeepSpeed's DeepSpeedConfig reads, recorded by letting it parse an
+    (almost) empty config through a dict that notes every key asked for (~20 ms). DeepSpeed has
+    no list of its own; recording it keeps this in step with the installed version."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    seen: set = set()
+
+    class _Keys:
+        def __init__(self, d):
+            self.d = d
+
+        def __contains__(self, k):
+            seen.add(k)
+            return dict.__contains__(self.d, k)
+
+        def __iter__(self):
+            return iter(dict.keys(self.d))
+
+        def __len__(self):
+            return len(self.d)
+
+    class _Recording(dict):
+        def get(self, k, default=None):
+            seen.add(k)
+            return super().get(k, default)
+
+        def __getitem__(self, k):
+            seen.add(k)
+            return super().__getitem__(k)
+
+        def __contains__(self, k):
+            seen.add(k)
+            return super().__contains__(k)
+
+        def keys(self):
+            return _Keys(self)
+
+    DeepSpeedConfig(_Recording({"train_micro_batch_size_per_gpu": 1}))
+    # By hand: read by the engine (sequence parallelism), not by DeepSpeedConfig.
+    return frozenset(k for k in seen if isinstance(k, str)) | {"sequence_parallel_size"}
+
+
+def ac_defaults() -> dict:
+    """DeepSpeed's activation_checkpointing keys and their defaults (its own ACT_CHKPT_DEFAULT)."""
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+
+    return dict(ACT_CHKPT_DEFAULT)
+
+
+def ac_section(cfg: dict) -> dict:
+    """The JSON's activation_checkpointing section over DeepSpeed's defaults."""
+    out = ac_defaults()
+    section = cfg.get("activation_checkpointing") or {}
+    for key, default in out.items():
+        if key in section:
+            out[key] = bool(section[key]) if isinstance(default, bool) else section[key]
+    return out
+
+
+# --------------------------------------------------------------------------- the "auto" table
+
+@dataclass(frozen=True)
+class FillContext:
+    """What an "auto" value may be filled from."""
+
+    recipe: Recipe
+    world_size: int
+    hidden_size: Optional[int] = None  # the model's; None where the model is not known
+    num_checkpoints: int = 0  # checkpoint calls the AC plan makes per forward
+    raw: Optional[dict] = None  # the JSON as written
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _number(v: Any, minimum: float = 0.0) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= minimum
+
+
+def _positive(v: Any) -> bool:
+    return _number(v) and v > 0
+
+
+def _betas(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(b) and b < 1 for b in v)
+
+
+def _fp16_requested(c: FillContext) -> bool:
+    return get(c.raw or {}, "fp16.enabled") is True
+
+
+@dataclass(frozen=True)
+class AutoKey:
+    key: str  # dotted JSON key
+    source: str  # where the value comes from (recipe key or the model), for messages
+    fill: Callable[[FillContext], Any]
+    check: Callable[[Any], bool]  # for a value written explicitly (DeepSpeed would take it late or never)
+    allowed: str
+    must_match: bool = False  # an explicit value that differs from the source is an error (else a warning)
+    if_missing: bool = False  # also filled when the key is absent
+    needs_model: bool = False
+
+
+# The keys transformers' HfTrainerDeepSpeedConfig fills (trainer_config_process/_finalize), with
+# the recipe in the role of TrainingArguments, plus memtrain's own (torch_adam, cos_min_ratio,
+# number_checkpoints). Explicit values win, except batch sizes, which must agree.
+AUTO_KEYS: tuple[AutoKey, ...] = (
+    AutoKey("train_micro_batch_size_per_gpu", "train.micro_batch_size", lambda c: c.recipe.train.micro_batch_size,
+            _positive_int, "a positive integer", must_match=True, if_missing=True),
+    AutoKey("gradient_accumulation_steps", "train.grad_accum_steps", lambda c: c.recipe.train.grad_accum_steps,
+            _positive_int, "a positive integer", must_match=True, if_missing=True),
+    # DeepSpeed counts a sequence-parallel group as one data-parallel rank (memtrain.train.sequence_parallel)
+    AutoKey("sequence_parallel_size", "parallel.sequence", lambda c: c.recipe.parallel.sequence,
+            _positive_int, "a positive integer", must_match=True, if_missing=True),
+    AutoKey("train_batch_size", "micro batch x grad accum x world size / parallel.sequence",
+            lambda c: c.recipe.train.micro_batch_size * c.recipe.train.grad_accum_steps
+            * max(c.world_size // c.recipe.parallel.sequence, 1),
+            _positive_int, "a positive integer", must_match=True, if_missing=True),
+    AutoKey("gradient_clipping", "train.grad_clip", lambda c: c.recipe.train.grad_clip, _number, "a number >= 0"),
+    AutoKey("optimizer.params.lr", "train.lr", lambda c: c.recipe.train.lr,
+            _positive, "a positive number"),
+    AutoKey("optimizer.params.betas", "train.adam_betas", lambda c: list(c.recipe.train.adam_betas), _betas,
+            "two numbers in [0, 1)"),
+    AutoKey("optimizer.params.eps", "train.adam_eps", lambda c: c.recipe.train.adam_eps, _number, "a number >= 0"),
+    AutoKey("optimizer.params.weight_decay", "train.weight_decay", lambda c: c.recipe.train.weight_decay,
+            _number, "a number >= 0"),
+    # memtrain's: torch's AdamW (the same math as DeepSpeed's FusedAdam) unless the optimizer is
+    # offloaded, so that no launch JIT-builds a DeepSpeed op; offloaded, DeepSpeed's CPU Adam.
+    AutoKey("optimizer.params.torch_adam", "no optimizer offload",
+            lambda c: offload_device(c.raw or {}, "optimizer") == "none", lambda v: isinstance(v, bool),
+            "true or false"),
+    AutoKey("scheduler.params.warmup_min_lr", "0 (as transformers)", lambda c: 0.0, _number, "a number >= 0"),
+    AutoKey("scheduler.params.warmup_max_lr", "train.lr", lambda c: c.recipe.train.lr,
+            _positive, "a positive number"),
+    AutoKey("scheduler.params.total_num_steps", "train.max_steps", lambda c: c.recipe.train.max_steps,
+            _positive_int, "a positive integer"),
+    # DeepSpeed >= 0.19.6 rejects 0 warm-up steps; transformers fills max(1, warmup) for the same reason.
+    AutoKey("scheduler.params.warmup_num_steps", "train.warmup_steps",
+            lambda c: max(1, c.recipe.train.warmup_steps), _positive_int, "a positive integer"),
+    AutoKey("scheduler.params.cos_min_ratio", "train.min_lr / train.lr",
+            lambda c: c.recipe.train.min_lr / c.recipe.train.lr, _number, "a number >= 0"),
+    AutoKey("bf16.enabled", "the device (bf16 where supported)",
+            lambda c: bf16_supported() and not _fp16_requested(c), lambda v: isinstance(v, bool), "true or false"),
+    AutoKey("fp16.enabled", "off (memtrain turns bf16 on where supported)", lambda c: False,
+            lambda v: isinstance(v, bool), "true or false"),
+    AutoKey("zero_optimization.reduce_bucket_size", "hidden_size^2", lambda c: c.hidden_size ** 2,
+            _positive, "a positive number", needs_model=True),
+    AutoKey("zero_optimization.stage3_prefetch_bucket_size", "0.9 x hidden_size^2",
+            lambda c: int(0.9 * c.hidden_size ** 2), _positive, "a positive number", needs_model=True),
+    AutoKey("zero_optimization.stage3_param_persistence_threshold", "10 x hidden_size",
+            lambda c: 10 * c.hidden_size, _positive, "a positive number", needs_model=True),
+    AutoKey("activation_checkpointing.number_checkpoints", "the AC plan's checkpoint calls per forward",
+            lambda c: max(c.num_checkpoints, 1), lambda v: v is None or _positive_int(v),
+            "a positive integer or null"),
+)
+AUTO_BY_KEY = {a.key: a for a in AUTO_KEYS}
+
+
+def auto_paths(cfg: Any, prefix: str = "") -> list[str]:
+    """Every dotted key whose value is "auto"."""
+    out = []
+    if isinstance(cfg, dict):
+        for k, v in cfg.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if v == AUTO:
+                out.append(path)
+            else:
+                out += auto_paths(v, path)
+    return out
+
+
+# Keys whose "auto" memtrain rewrites regardless (its run directory owns the monitors' output).
+MONITOR_KEYS = {f"{m}.{k}" for m in ("tensorboard", "csv_monitor") for k in ("output_path", "job_name")}
+
+
+def unfillable_auto(cfg: dict) -> list[str]:
+    return [p for p in auto_paths(cfg) if p not in AUTO_BY_KEY and p not in MONITOR_KEYS]
+
+
+def _set(cfg: dict, dotted: str, value: Any, if_missing: bool) -> None:
     *parents, leaf = dotted.split(".")
     node = cfg
     for k in parents:
@@ -62,37 +266,24 @@ def _fill(cfg: dict, dotted: str, value: Any, *, if_missing: bool = False) -> No
         node[leaf] = value
 
 
-def zero_stage(cfg: dict) -> int:
-    return int(_get(cfg, "zero_optimization.stage", 0) or 0)
-
-
-def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path, num_ac_layers: int) -> dict:
-    """Return a copy of the DeepSpeed JSON with every recipe-dependent "auto" value filled."""
+def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path, num_ac_layers: int,
+                      hidden_size: Optional[int] = None, default_tensorboard: bool = False) -> dict:
+    """A copy of the DeepSpeed JSON with every "auto" of `AUTO_KEYS` filled. `num_ac_layers`:
+    checkpoint calls per forward; `hidden_size`: the model's (None leaves the model's "auto"s)."""
     cfg = copy.deepcopy(raw)
-    t = recipe.train
-    _fill(cfg, "train_micro_batch_size_per_gpu", t.micro_batch_size, if_missing=True)
-    _fill(cfg, "gradient_accumulation_steps", t.grad_accum_steps, if_missing=True)
-    sp = recipe.parallel.sequence  # DeepSpeed counts a sequence-parallel group as one data-parallel rank
-    _fill(cfg, "sequence_parallel_size", sp, if_missing=True)
-    _fill(cfg, "train_batch_size", t.micro_batch_size * t.grad_accum_steps * max(world_size // sp, 1), if_missing=True)
-    _fill(cfg, "gradient_clipping", t.grad_clip)
-    _fill(cfg, "optimizer.params.lr", t.lr)
-    _fill(cfg, "optimizer.params.weight_decay", t.weight_decay)
-    # "auto": torch's AdamW (the same math as DeepSpeed's FusedAdam), fused on a GPU, so that no
-    # launch JIT-builds a DeepSpeed op. An offloaded optimizer keeps DeepSpeed's CPU Adam.
-    if _get(cfg, "optimizer.params.torch_adam") == AUTO:
-        offloaded = (_get(cfg, "zero_optimization.offload_optimizer.device") or "none") != "none"
-        cfg["optimizer"]["params"]["torch_adam"] = not offloaded
-        params = cfg["optimizer"]["params"]
-        if not offloaded and torch.cuda.is_available() and "foreach" not in params:
-            params.setdefault("fused", True)
-    _fill(cfg, "scheduler.params.total_num_steps", t.max_steps)
-    _fill(cfg, "scheduler.params.warmup_num_steps", t.warmup_steps)
-    _fill(cfg, "scheduler.params.cos_min_ratio", t.min_lr / t.lr)
-    _fill(cfg, "bf16.enabled", bf16_supported())
-    _fill(cfg, "fp16.enabled", False)
-    _fill(cfg, "activation_checkpointing.number_checkpoints", max(num_ac_layers, 1))
+    ctx = FillContext(recipe, world_size, hidden_size, num_ac_layers, raw)
+    for a in AUTO_KEYS:
+        if a.needs_model and hidden_size is None:
+            continue
+        _set(cfg, a.key, a.fill(ctx), a.if_missing)
+    _adam_implementation(cfg, raw)
+    if "optimizer" not in cfg and offload_device(cfg, "optimizer") == "none" and zero_stage(cfg):
+        # memtrain builds torch's AdamW (memtrain.train.optimizer); ZeRO takes a client optimizer
+        # that is not DeepSpeed's only with this flag (transformers sets it the same way)
+        cfg.setdefault("zero_allow_untested_optimizer", True)
     cfg.setdefault("steps_per_print", 10**9)  # memtrain logs itself; keep DeepSpeed's stdout quiet
+    if default_tensorboard:  # a run's metrics go to run_dir/tb (the summary points there) unless the
+        cfg.setdefault("tensorboard", {"enabled": True})  # JSON turns it off; HF-style JSONs have no section
     for monitor, sub in (("tensorboard", "tb"), ("csv_monitor", "csv")):
         if isinstance(cfg.get(monitor), dict):
             cfg[monitor]["output_path"] = str(run_dir)
@@ -100,14 +291,57 @@ def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path,
     return cfg
 
 
-def ac_section(cfg: dict) -> dict:
-    """The JSON's activation_checkpointing section with DeepSpeed's defaults."""
-    section = cfg.get("activation_checkpointing") or {}
-    return {
-        "partition_activations": bool(section.get("partition_activations", False)),
-        "cpu_checkpointing": bool(section.get("cpu_checkpointing", False)),
-        "contiguous_memory_optimization": bool(section.get("contiguous_memory_optimization", False)),
-        "number_checkpoints": section.get("number_checkpoints"),
-        "synchronize_checkpoint_boundary": bool(section.get("synchronize_checkpoint_boundary", False)),
-        "profile": bool(section.get("profile", False)),
-    }
+def _adam_implementation(cfg: dict, raw: dict) -> None:
+    """Adam/AdamW sections: torch's AdamW (same math as DeepSpeed's FusedAdam, fused on a GPU) when
+    `torch_adam` is "auto" or absent and nothing is offloaded, so that no launch JIT-builds
+    DeepSpeed's FusedAdam op (minutes on a CPU). `torch_adam: false` keeps DeepSpeed's op."""
+    params = get(cfg, "optimizer.params")
+    name = get(cfg, "optimizer.type")
+    if not (isinstance(name, str) and name.lower() in ("adam", "adamw")):
+        return
+    if not isinstance(params, dict):
+        cfg["optimizer"]["params"] = params = {}
+    if "torch_adam" not in params and offload_device(cfg, "optimizer") == "none":
+        params["torch_adam"] = True
+    written = get(raw, "optimizer.params.torch_adam")
+    if params.get("torch_adam") is True and written in (AUTO, None) and "foreach" not in params \
+            and torch.cuda.is_available():
+        params.setdefault("fused", True)
+
+
+def recipe_disagreements(cfg: dict, recipe: Recipe, world_size: int) -> list[tuple[AutoKey, Any, Any]]:
+    """(key, JSON value, recipe value) for each explicit JSON value that differs from what "auto"
+    would be (model-derived keys excepted: any explicit bucket size is a fine choice)."""
+    ctx = FillContext(recipe, world_size, None, 0, cfg)
+    out = []
+    for a in AUTO_KEYS:
+        if a.needs_model or a.key in ("activation_checkpointing.number_checkpoints", "optimizer.params.torch_adam",
+                                      "bf16.enabled", "fp16.enabled", "scheduler.params.warmup_min_lr"):
+            continue
+        present, value = has(cfg, a.key), get(cfg, a.key)
+        if not present or value == AUTO:
+            continue
+        wanted = a.fill(ctx)
+        if isinstance(wanted, list):
+            same = isinstance(value, (list, tuple)) and list(value) == wanted
+        else:
+            same = value == wanted
+        if a.key == "scheduler.params.warmup_num_steps":  # the recipe's value; "auto" fills at least 1
+            wanted = recipe.train.warmup_steps
+            same = value == wanted or (wanted == 0 and value == 1)
+        if not same:
+            out.append((a, value, wanted))
+    return out
+
+
+def model_hidden_size(config) -> Optional[int]:
+    """The hidden size transformers' DeepSpeed integration sizes buckets by: hidden_size, else the
+    largest of hidden_sizes, else the text config's."""
+    for c in (config, getattr(config, "text_config", None)):
+        if c is None:
+            continue
+        if getattr(c, "hidden_size", None):
+            return int(c.hidden_size)
+        if getattr(c, "hidden_sizes", None):
+            return int(max(c.hidden_sizes))
+    return None

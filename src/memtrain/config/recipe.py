@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
@@ -35,6 +35,9 @@ DEFAULT_RECIPE: dict[str, Any] = {
     "data": {"seq_len": 128},
     "train": {"micro_batch_size": 8, "max_steps": 40, "lr": 3.0e-3, "warmup_steps": 4},
 }
+
+
+_Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class _Strict(BaseModel):
@@ -77,6 +80,10 @@ class TrainSection(_Strict):
     min_lr: float = Field(0.0, ge=0)
     warmup_steps: NonNegativeInt = 4
     weight_decay: float = Field(0.1, ge=0)
+    adam_betas: tuple[_Beta, _Beta] = (0.9, 0.95)
+    """AdamW's betas: memtrain's own AdamW (JSON without an optimizer section) and "auto" betas."""
+    adam_eps: float = Field(1e-8, ge=0)
+    """AdamW's eps: memtrain's own AdamW and "auto" eps."""
     grad_clip: float = Field(1.0, ge=0)
     seed: int = 1234
     log_every: Optional[PositiveInt] = Field(None, validation_alias=AliasChoices("log_every", "log_interval"))

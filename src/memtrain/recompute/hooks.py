@@ -360,3 +360,12 @@ def apply_plan(model: nn.Module, plan: ACPlan) -> list[str]:
     for w in warnings:
         _warnings.warn(w, RuntimeWarning, stacklevel=2)
     return warnings
+
+
+def checkpoint_calls(model: nn.Module, plan: ACPlan) -> int:
+    """Checkpoint calls one forward makes under an installed plan: one per recomputed layer or
+    sqrt segment (the plan's offload units), plus one per module matched by policy 'modules'
+    (those carry `_ac_checkpoint`, as do attn/mlp sublayers, which the units already count)."""
+    sublayers = sum(mode in (ATTN, MLP) for mode in plan.layers)
+    marked = sum(getattr(m, "_ac_checkpoint", None) is not None for m in model.modules())
+    return len(plan.offload_units) + marked - sublayers

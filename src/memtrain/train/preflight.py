@@ -27,58 +27,17 @@ from memtrain.model.data_check import check_data_files, check_seq_len
 from memtrain.recompute.policy import ACPlan, build_plan, effective_policy
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
-from memtrain.config.ds_config import AUTO, ac_section, resolve_ds_config
+from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, ac_section, deepspeed_top_level_keys,
+                                       model_hidden_size, recipe_disagreements, resolve_ds_config)
+from memtrain.train import ds_checks, ds_log
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.model.build import build_config, build_on_meta
 from memtrain.recompute.hooks import apply_plan
 from memtrain.config.recipe import DataSection
 
-# Top-level keys that DeepSpeed 0.19.8's DeepSpeedConfig reads (recorded from its accesses),
-# plus sequence_parallel_size (read by the engine). An unknown key close to one of these is a
-# typo (error with a suggestion); any other unknown key only warns, as DeepSpeed ignores it.
-DEEPSPEED_KEYS = frozenset("""
-activation_checkpointing aio amp autotuning bf16 bfloat16 checkpoint comet comms_logger
-communication_data_type compile compression_training csv_monitor curriculum_learning data_efficiency
-data_types dataloader_drop_last datastates_ckpt disable_allgather disable_python_gc dump_state eigenvalue
-elasticity expert_parallel flops_profiler fp16 gradient_accumulation_steps gradient_allreduce_op
-gradient_clipping gradient_predivide_factor graph_harvesting hybrid_engine log_level
-managed_gradient_accumulation memory_breakdown nebula optimizer pipeline prescale_gradients
-progressive_layer_drop quantize_training scheduler seq_parallel_communication_data_type
-sequence_parallel_size sparse_attention sparse_gradients steps_per_print tensor_parallel tensorboard
-timers torch_autocast train_batch_size train_micro_batch_size_per_gpu use_data_before_expert_parallelism
-vocabulary_size wall_clock_breakdown wandb weight_quantization zero_allow_untested_optimizer
-zero_force_ds_cpu_optimizer zero_optimization
-""".split())
 SECTIONS = ("zero_optimization", "activation_checkpointing", "optimizer", "scheduler", "bf16", "fp16",
             "tensorboard", "csv_monitor", "wandb", "comet")
-AC_BOOL_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                "synchronize_checkpoint_boundary", "profile")
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _number(v: Any, minimum: float = 0.0) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= minimum
-
-
-# Values memtrain fills when written "auto": (dotted key, check, what is allowed).
-AUTO_KEYS = (
-    ("train_batch_size", _positive_int, "a positive integer"),
-    ("train_micro_batch_size_per_gpu", _positive_int, "a positive integer"),
-    ("gradient_accumulation_steps", _positive_int, "a positive integer"),
-    ("gradient_clipping", _number, "a number >= 0"),
-    ("optimizer.params.lr", lambda v: _number(v) and v > 0, "a positive number"),
-    ("optimizer.params.weight_decay", _number, "a number >= 0"),
-    ("scheduler.params.total_num_steps", _positive_int, "a positive integer"),
-    ("scheduler.params.warmup_num_steps", lambda v: _number(v) and int(v) == v, "an integer >= 0"),
-    ("bf16.enabled", lambda v: isinstance(v, bool), "true or false"),
-    ("fp16.enabled", lambda v: isinstance(v, bool), "true or false"),
-    ("activation_checkpointing.number_checkpoints", lambda v: v is None or _positive_int(v),
-     "a positive integer or null"),
-)
 
 
 @dataclass(frozen=True)
@@ -149,44 +108,36 @@ def _pydantic_line(err: ValidationError, source: str, prefix: str, model: type[B
 def check_ds_json(cfg: dict, source: str) -> list[str]:
     """Keys, types and DeepSpeed's own section schemas; returns warnings."""
     warnings = []
+    known = deepspeed_top_level_keys()
     for key in cfg:
-        if key in DEEPSPEED_KEYS:
+        if key in known:
             continue
-        hint = _suggest(key, DEEPSPEED_KEYS, cutoff=0.8)
+        hint = _suggest(key, known, cutoff=0.8)
         if hint:
             raise UserError(f"{source}: unknown key '{key}'; {hint}(DeepSpeed would silently ignore it)")
         warnings.append(f"{source}: '{key}' is not a DeepSpeed config key; DeepSpeed ignores it")
     for section in SECTIONS:
         if section in cfg and not isinstance(cfg[section], dict):
             raise UserError(f"{source}: {section}: expected an object {{...}}, got {json.dumps(cfg[section])}")
-    for dotted, ok, allowed in AUTO_KEYS:
-        present, value = _get(cfg, dotted)
-        if present and value != AUTO and not ok(value):
-            raise UserError(f"{source}: {dotted}: expected {allowed} or \"auto\", got {json.dumps(value)}")
+    for a in AUTO_KEYS:
+        present, value = _get(cfg, a.key)
+        if present and value != AUTO and not a.check(value):
+            raise UserError(f"{source}: {a.key}: expected {a.allowed} or \"auto\", got {json.dumps(value)}")
+    ds_checks.check_unfilled_auto(cfg, source)
 
     zero = cfg.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if not (isinstance(stage, int) and not isinstance(stage, bool) and stage in ZERO_STAGES):
         raise UserError(f"{source}: zero_optimization.stage: {json.dumps(stage)} is not a ZeRO stage; "
                         "allowed: 0, 1, 2, 3")
-    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("tensorboard", TensorBoardConfig),
-                           ("csv_monitor", CSVConfig), ("wandb", WandbConfig), ("comet", CometConfig)):
-        if section in cfg:
-            try:
-                model(**cfg[section])
-            except ValidationError as e:
-                raise UserError(_pydantic_line(e, source, section, model)) from None
 
     ac = cfg.get("activation_checkpointing")
     if ac is not None:
-        allowed = (*AC_BOOL_KEYS, "number_checkpoints")
+        defaults = ac_defaults()  # DeepSpeed's own keys and defaults
         for key, value in ac.items():
-            if key not in allowed:
-                raise UserError(f"{source}: unknown key 'activation_checkpointing.{key}'; {_hint(key, allowed)}")
-            if key in AC_BOOL_KEYS and not isinstance(value, bool):
+            if key not in defaults:
+                raise UserError(f"{source}: unknown key 'activation_checkpointing.{key}'; {_hint(key, defaults)}")
+            if isinstance(defaults[key], bool) and not isinstance(value, bool):
                 raise UserError(f"{source}: activation_checkpointing.{key}: expected true or false, "
                                 f"got {json.dumps(value)}")
         if ac.get("contiguous_memory_optimization"):
@@ -202,42 +153,25 @@ def check_ds_json(cfg: dict, source: str) -> list[str]:
 def check_batch(cfg: dict, source: str, recipe, world_size: int) -> None:
     """Explicit JSON batch values must agree with the recipe and the world size."""
     t = recipe.train
-    for key, recipe_key, recipe_value in (("train_micro_batch_size_per_gpu", "train.micro_batch_size",
-                                           t.micro_batch_size),
-                                          ("gradient_accumulation_steps", "train.grad_accum_steps",
-                                           t.grad_accum_steps)):
-        value = cfg.get(key, AUTO)
-        if value != AUTO and value != recipe_value:
-            raise UserError(f"{source}: {key}: {value} disagrees with the recipe's {recipe_key}={recipe_value}; "
-                            "write \"auto\" or make them equal")
-    total = cfg.get("train_batch_size", AUTO)
-    expected = t.micro_batch_size * t.grad_accum_steps * world_size
-    if total != AUTO and total != expected:
-        raise UserError(f"{source}: train_batch_size: {total} != micro batch {t.micro_batch_size} x grad accum "
-                        f"{t.grad_accum_steps} x world size {world_size} = {expected}; write \"auto\" or {expected}")
+    for a, value, wanted in recipe_disagreements(cfg, recipe, world_size):
+        if not a.must_match:
+            continue
+        if a.key == "train_batch_size":
+            sp = recipe.parallel.sequence
+            ranks = f"world size {world_size}" + (f" / parallel.sequence {sp}" if sp > 1 else "")
+            raise UserError(f"{source}: train_batch_size: {value} != micro batch {t.micro_batch_size} x grad accum "
+                            f"{t.grad_accum_steps} x {ranks} = {wanted}; write \"auto\" or {wanted}")
+        raise UserError(f"{source}: {a.key}: {value} disagrees with the recipe's {a.source}={wanted}; "
+                        "write \"auto\" or make them equal")
 
 
-def _recipe_overrides(cfg: dict, source: str, recipe) -> list[str]:
+def _recipe_overrides(cfg: dict, source: str, recipe, world_size: int = 1) -> list[str]:
     """Explicit JSON values win over the recipe (only "auto" is filled): legal, but say so."""
-    t = recipe.train
-    pairs = (("optimizer.params.lr", "train.lr", t.lr), ("optimizer.params.weight_decay", "train.weight_decay",
-             t.weight_decay), ("gradient_clipping", "train.grad_clip", t.grad_clip),
-             ("scheduler.params.total_num_steps", "train.max_steps", t.max_steps),
-             ("scheduler.params.warmup_num_steps", "train.warmup_steps", t.warmup_steps))
-    out = []
-    for dotted, recipe_key, recipe_value in pairs:
-        present, value = _get(cfg, dotted)
-        if present and value != AUTO and value != recipe_value:
-            out.append(f"{source}: {dotted}={value} overrides the recipe's {recipe_key}={recipe_value}")
-    return out
+    return [f"{source}: {a.key}={json.dumps(value)} overrides the recipe's {a.source}={json.dumps(wanted)}"
+            for a, value, wanted in recipe_disagreements(cfg, recipe, world_size) if not a.must_match]
 
 
-# Scheduler params memtrain fills from the recipe when written "auto".
-SCHEDULER_FROM_RECIPE = {"total_num_steps": "train.max_steps", "warmup_num_steps": "train.warmup_steps",
-                         "cos_min_ratio": "train.min_lr / train.lr"}
-
-
-def _optimizer_and_scheduler(raw: dict, resolved: dict, source: str) -> None:
+def _optimizer_and_scheduler(raw: dict, resolved: dict, source: str, recipe=None) -> None:
     """The names DeepSpeed resolves, and the scheduler built as the engine will build it."""
     import torch
     from deepspeed.runtime import lr_schedules
@@ -248,7 +182,17 @@ def _optimizer_and_scheduler(raw: dict, resolved: dict, source: str) -> None:
             name.lower() in DEEPSPEED_OPTIMIZERS or hasattr(torch.optim, name))):
         raise UserError(f"{source}: optimizer.type: unknown optimizer {json.dumps(name)}; "
                         f"{_hint(str(name), DEEPSPEED_OPTIMIZERS)}")
-    if "scheduler" not in resolved:
+    if "scheduler" not in resolved:  # memtrain's own schedule from the recipe (memtrain.train.optimizer)
+        from memtrain.train.optimizer import schedule_kwargs
+
+        if recipe is None:
+            return
+        try:
+            lr_schedules.WarmupCosineLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3),
+                                        **schedule_kwargs(recipe))
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"train: the recipe's schedule (warm-up + cosine) is rejected: {first}") from None
         return
     name = resolved["scheduler"].get("type")
     cls = (getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name, None)
@@ -262,17 +206,29 @@ def _optimizer_and_scheduler(raw: dict, resolved: dict, source: str) -> None:
         cls(dummy, **params)
     except Exception as e:  # DeepSpeed's schedulers check their arguments in __init__
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        auto = [f"{k} comes from the recipe's {r}" for k, r in SCHEDULER_FROM_RECIPE.items()
-                if k in first and _get(raw, f"scheduler.params.{k}") == (True, AUTO)]
+        auto = [f"{a.key.rpartition('.')[2]} comes from {a.source}" for a in AUTO_KEYS
+                if a.key.startswith("scheduler.params.") and a.key.rpartition(".")[2] in first
+                and _get(raw, a.key) == (True, AUTO)]
         raise UserError(f"{source}: scheduler.params: DeepSpeed's {name} rejects them: {first}"
                         + (f" ({'; '.join(auto)})" if auto else "")) from None
 
 
-def deepspeed_accepts(raw: dict, resolved: dict, source: str) -> None:
+def deepspeed_accepts(raw: dict, resolved: dict, source: str, recipe=None) -> None:
     """DeepSpeed's own DeepSpeedConfig, as the engine will build it, wrapped to one line."""
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
     from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    _optimizer_and_scheduler(raw, resolved, source)
+    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("tensorboard", TensorBoardConfig),
+                           ("csv_monitor", CSVConfig), ("wandb", WandbConfig), ("comet", CometConfig)):
+        if section in resolved:
+            try:
+                model(**resolved[section])
+            except ValidationError as e:
+                raise UserError(_pydantic_line(e, source, section, model)) from None
+    ds_checks.check_optimizer(resolved, source)
+    with ds_log.silenced():  # DeepSpeed's schedulers log warnings while they check
+        _optimizer_and_scheduler(raw, resolved, source, recipe)
 
     cfg = copy.deepcopy(resolved)
     cfg.pop("train_batch_size", None)  # checked above against the real world size; here world is 1
@@ -285,6 +241,8 @@ def deepspeed_accepts(raw: dict, resolved: dict, source: str) -> None:
     except Exception as e:  # DeepSpeed reports config mistakes as asserts and ValueErrors
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{source}: DeepSpeed rejects it: {first}") from None
+    ds_checks.check_dtype_support(resolved, source)  # after DeepSpeed's own checks (e.g. fp16 and bf16 both on)
+    ds_checks.check_nvme(resolved, source)
 
 
 # --------------------------------------------------------------------------- cross-file
@@ -341,7 +299,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     recipe, source = args.recipe, args.ds_config_path
     warnings = check_ds_json(args.ds_config, source)
     long_context.check_json(recipe, args.ds_config, source)
-    check_batch(args.ds_config, source, recipe, world_size // recipe.parallel.sequence or 1)
+    check_batch(args.ds_config, source, recipe, world_size)
     resume = check_run_dir(args, world_size)
     if resume is not None:
         warnings += resume.warnings(args.run_dir / "checkpoints")
@@ -371,9 +329,21 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         raise UserError(f"{recipe_source}: {e}") from None
     if resume is not None:
         check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
-    deepspeed_accepts(args.ds_config, resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"),
-                                                        plan.num_recomputed), source)
-    warnings += _recipe_overrides(args.ds_config, source, recipe)
+    hidden = model_hidden_size(config)
+    needs_model = [a.key for a in AUTO_KEYS if a.needs_model and _get(args.ds_config, a.key) == (True, AUTO)]
+    if needs_model and hidden is None:
+        raise UserError(f"{source}: {needs_model[0]}: \"auto\" is sized by the model's hidden_size, which its "
+                        "config does not have; write a number")
+    resolved = resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), len(plan.offload_units),
+                                 hidden_size=hidden)
+    deepspeed_accepts(args.ds_config, resolved, source, recipe)
+    warnings += _recipe_overrides(args.ds_config, source, recipe, world_size)
+    warnings += [w for w in (ds_checks.build_notice(resolved),) if w]
+    warnings += ds_checks.clear_stale_build_locks()
+    if plan.backend == "torch":
+        warnings += [f"{source}: activation_checkpointing.{key}: true is ignored by the torch backend (DeepSpeed's "
+                     "checkpoint honours it: set activation_checkpointing.backend: deepspeed in the recipe)"
+                     for key in ("profile", "synchronize_checkpoint_boundary") if ds_ac.get(key)]
     if memory_plan is None and recipe.activation_checkpointing.memory_budget is not None:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")
     return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan)

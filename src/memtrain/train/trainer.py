@@ -19,10 +19,13 @@ import torch
 
 from memtrain.train import checkpoint
 from memtrain.train import run_dir as run_dirs
-from memtrain.recompute.hooks import apply_plan, configure_deepspeed_ac
+from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
 from memtrain.model.data import RandomTokens, prepare_data, to_device
-from memtrain.config.ds_config import resolve_ds_config, zero_stage
+from memtrain.config.ds_config import AUTO, get, model_hidden_size, resolve_ds_config, zero_stage
+from memtrain.train import ds_log
+from memtrain.train.loss_scale import scaler_row, skipped_warning
+from memtrain.train.optimizer import engine_arguments, own_sections
 from memtrain.errors import EXIT_RUN_FAILED, RunFailed, UserError
 from memtrain.train.faults import RunPosition, is_oom, nonfinite_loss_message, oom_message, write_failure
 from memtrain.model.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
@@ -209,7 +212,9 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     run_dir = _choose_run_dir(args)
     ckpt_dir = run_dir / "checkpoints"
     progress.run_dir = run_dir
-    ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.num_recomputed)
+    ds_log.to_file(run_dir, rank)  # DeepSpeed's own log: run_dir/deepspeed.log, not the console
+    ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, len(plan.offload_units),
+                                  hidden_size=model_hidden_size(config), default_tensorboard=True)
     predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
     if recipe.data.random_tokens:
         data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed)
@@ -219,9 +224,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         if args.overwrite:  # the earlier run moves aside; deleted once this run saved a model checkpoint
             run_dirs.set_aside(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(
-            {"recipe": recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
-             "world_size": world, "ac_plan": plan.to_dict()}, indent=2))
+        _write_config(run_dir, args, ds_config, world, plan)
         print(plan.describe(), flush=True)
         if memory_plan is not None:
             print(memory_plan.describe(), flush=True)
@@ -236,12 +239,18 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     sp = longctx.sp
     if rank == 0:
         print("\n".join(longctx.lines), flush=True)
+    apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
+    if get(args.ds_config, "activation_checkpointing.number_checkpoints") == AUTO:  # modules are known now
+        calls = max(1, checkpoint_calls(model, plan))
+        if calls != ds_config["activation_checkpointing"]["number_checkpoints"] and rank == 0:
+            ds_config["activation_checkpointing"]["number_checkpoints"] = calls
+            _write_config(run_dir, args, ds_config, world, plan)
+        ds_config["activation_checkpointing"]["number_checkpoints"] = calls
     if plan.backend == "deepspeed":
         configure_deepspeed_ac(ds_config, plan)
-    apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
     model.train()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
-                                     mpu=longctx.mpu)
+    # no optimizer/scheduler section: memtrain's own AdamW and the recipe's schedule (as HF's Trainer)
+    engine, *_ = deepspeed.initialize(**engine_arguments(model, ds_config, recipe), mpu=longctx.mpu)
     device = engine.device  # every tensor that meets a collective lives here
 
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
@@ -304,6 +313,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, tokens_per_step, world,
                                 sp.data_world, t.micro_batch_size * t.grad_accum_steps, flops_per_token, hardware_flops_per_token,
                                 peak_tflops, meter.bytes)
+        row.update(scaler_row(engine))
         if predicted_peak is not None:  # memtrain's prediction, beside the measured figures
             row["memory/predicted_peak_gib"] = predicted_peak / GIB
         if plan.memtrain_offload:  # host bytes that memtrain's cpu_checkpointing took off the device
@@ -330,6 +340,10 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     completed = step + 1 if status == "preempted" else t.max_steps
     if t.save_checkpoints and (completed > start or status == "preempted"):
         checkpoint.save(engine, ckpt_dir, completed, t.keep_last)
+    if t.save_checkpoints and status == "completed":  # final/: loads with transformers' from_pretrained
+        from memtrain.tools.export import save_final
+
+        save_final(engine, engine.module, run_dir / "final", recipe.data.tokenizer)
     summary = {
         "status": status,
         "steps": completed,
@@ -344,15 +358,20 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         "run_dir": str(run_dir),
         "tensorboard": str(run_dir / "tb"),
     }
+    summary.update({k.partition("/")[2]: v for k, v in scaler_row(engine).items()})
+    summary["skipped_steps"] = int(summary["skipped_steps"])
     if predicted_peak is not None:
         summary["predicted_peak_gib"] = predicted_peak / GIB
     if device.type == "cuda":
         summary["peak_allocated_gib"] = max((r["memory/peak_allocated_gib"] for r in history), default=0.0)
     if memory_plan is not None:
         summary["memory_plan"] = memory_plan.to_dict()
+    skipped = skipped_warning(summary["skipped_steps"], completed - start)
     if rank == 0:
         checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
         run_dirs.finish_overwrite(run_dir)  # with train.save_checkpoints: false, nothing saved before
+        if skipped:
+            print(f"warning: {skipped}", flush=True)
         print(f"{status}: {completed} steps, final loss {last_loss:.4f}; "
               f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'})", flush=True)
     dist.barrier()
@@ -360,6 +379,14 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     # threads were seen to abort a finished rank ("terminate called without an active exception").
     dist.destroy_process_group()
     return summary
+
+
+def _write_config(run_dir: Path, args: RunArgs, ds_config: dict, world: int, plan) -> None:
+    """config.json: the recipe and the resolved DeepSpeed JSON (every "auto" filled) this run uses."""
+    record = {"recipe": args.recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
+              "world_size": world, "ac_plan": plan.to_dict()}
+    record.update(own_sections(ds_config, args.recipe))  # what memtrain builds for missing sections
+    checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(record, indent=2))
 
 
 def _recompute_flops(config, seq_len: int, plan) -> Optional[float]:

@@ -1,0 +1,133 @@
+"""`python -m memtrain explain-config --deepspeed F [--recipe R]`: one line per key of a DeepSpeed
+JSON saying what a run does with it: filled from the recipe/model (with the value), in effect, a
+no-op here (and why), or rejected (and why). It runs the same preflight as a launch."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from memtrain.config.args import parse_args
+from memtrain.config.ds_config import (AUTO, AUTO_BY_KEY, MONITOR_KEYS, ac_section, deepspeed_top_level_keys, get,
+                                       model_hidden_size, recipe_disagreements, resolve_ds_config,
+                                       zero_stage)
+from memtrain.errors import UserError, cli_entry
+
+
+def _leaves(cfg: Any, prefix: str = ""):
+    if isinstance(cfg, dict) and cfg:
+        for k, v in cfg.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, cfg
+
+
+def _noop(key: str, raw: dict, resolved: dict, backend: Optional[str]) -> Optional[str]:
+    """Why a key does nothing in this run, or None. Kept by hand: DeepSpeed does not say."""
+    top, _, rest = key.partition(".")
+    if top not in deepspeed_top_level_keys():
+        return "not a DeepSpeed key: DeepSpeed ignores it"
+    if key in MONITOR_KEYS:
+        return "memtrain writes the monitor into the run directory (tb/, csv/)"
+    if top in ("fp16", "bf16") and rest != "enabled" and get(resolved, f"{top}.enabled") is not True:
+        return f"{top} is off"
+    stage = zero_stage(resolved)
+    if top == "zero_optimization" and rest != "stage":
+        if stage == 0:
+            return "ZeRO stage 0 partitions nothing"
+        if ("stage3_" in rest or rest.startswith(("offload_param", "sub_group_size"))) and stage < 3:
+            return "ZeRO-3 only"
+        if rest.endswith("pin_memory") and not torch.cuda.is_available():
+            return "no device here: nothing to pin for"
+    if top == "activation_checkpointing":
+        ac = ac_section(resolved)
+        value = get(raw, key)
+        if rest == "partition_activations" and value is True:
+            return "shards checkpoints across a model-parallel group; memtrain runs none (size 1)"
+        if rest == "cpu_checkpointing" and value is True and not torch.cuda.is_available():
+            return "a CPU run: activations already live in host memory"
+        if rest in ("profile", "synchronize_checkpoint_boundary", "contiguous_memory_optimization") and value is True \
+                and backend == "torch":
+            return "ignored by the torch backend (recipe activation_checkpointing.backend: deepspeed honours it)"
+        if rest == "number_checkpoints" and not ac["contiguous_memory_optimization"]:
+            return "read only by contiguous_memory_optimization, which is off"
+    if key == "steps_per_print":
+        return "DeepSpeed's own print is off; memtrain logs every train.log_every steps (this value when unset)"
+    return None
+
+
+def explain(argv: list[str], world_size: int) -> list[str]:
+    from memtrain.train.preflight import check_run
+
+    args = parse_args(argv)
+    raw, source = args.ds_config, args.ds_config_path
+    error, checked = None, None
+    try:
+        checked = check_run(args, world_size)
+    except UserError as e:
+        error = str(e)
+    hidden = model_hidden_size(checked.config) if checked else None
+    calls = len(checked.plan.offload_units) if checked else 0
+    resolved = resolve_ds_config(raw, args.recipe, world_size, Path("<run dir>"), calls, hidden_size=hidden)
+    backend = checked.plan.backend if checked else None
+    from memtrain.train import ds_checks
+
+    problems = [error] if error else []
+    for check in (ds_checks.check_optimizer, ds_checks.check_dtype_support, ds_checks.check_nvme):
+        try:  # each on its own, so that every rejected key shows, not only the first
+            check(resolved, source)
+        except UserError as e:
+            problems.append(str(e))
+    overrides = {a.key: f"overrides the recipe's {a.source}={json.dumps(wanted)}"
+                 for a, _, wanted in recipe_disagreements(raw, args.recipe, world_size) if not a.must_match}
+    lines = [f"{source} with {args.recipe_path or 'the embedded recipe'} on {world_size} rank(s):"]
+    for key, value in _leaves(raw):
+        shown = json.dumps(value)
+        hit = next((e for e in problems if f": {key}:" in e or f"'{key}'" in e), None)
+        if hit:
+            lines.append(f"{key} = {shown}: rejected: {hit.split(': ', 1)[1]}")
+        elif value == AUTO and key in AUTO_BY_KEY:
+            filled = get(resolved, key)
+            how = f"from {AUTO_BY_KEY[key].source}" if filled != AUTO else "filled once the model is known"
+            lines.append(f"{key} = \"auto\": filled {json.dumps(filled)} {how}")
+        elif value == AUTO and key not in MONITOR_KEYS:
+            lines.append(f"{key} = \"auto\": rejected: memtrain cannot fill it")
+        else:
+            # the AC plan's own notes on JSON keys that do nothing here (where the plan has them)
+            notes = {n.partition(": ")[0]: n.partition(": ")[2] for n in getattr(getattr(checked, "plan", None),
+                                                                              "notes", ())}
+            ac_key = key.partition("activation_checkpointing.")[2]
+            why = notes.get(ac_key) if ac_key and get(raw, key) is True else None
+            why = why or _noop(key, raw, resolved, backend)
+            lines.append(f"{key} = {shown}: " + (f"no-op here: {why}" if why else "in effect")
+                         + (f" ({overrides[key]})" if key in overrides and not why else ""))
+    added = sorted(k for k, _ in _leaves(resolved) if get(raw, k, None) is None and k.split(".")[0] != "tensorboard")
+    for key in added:
+        lines.append(f"{key} (not in the JSON): memtrain sets {json.dumps(get(resolved, key))}")
+    if "optimizer" not in raw:
+        from memtrain.train.optimizer import optimizer_name, schedule_kwargs
+
+        lines.append(f"optimizer (no section): memtrain builds {optimizer_name(resolved)} from train.lr/adam_betas/"
+                     "adam_eps/weight_decay")
+        if "scheduler" not in raw:
+            lines.append(f"scheduler (no section): memtrain builds WarmupCosineLR {schedule_kwargs(args.recipe)}")
+    elif "scheduler" not in raw:
+        from memtrain.train.optimizer import schedule_kwargs
+
+        lines.append(f"scheduler (no section): memtrain builds WarmupCosineLR {schedule_kwargs(args.recipe)}")
+    if error:
+        lines.append(f"the run is rejected: {error}")
+    elif checked:
+        lines += [f"warning: {w}" for w in checked.warnings]
+    return lines
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="memtrain explain-config", description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=2)
+    known, rest = p.parse_known_args(argv)
+    print("\n".join(explain(rest, known.world_size)))

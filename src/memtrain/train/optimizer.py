@@ -1,0 +1,86 @@
+"""memtrain's own AdamW and LR schedule for a DeepSpeed JSON without `optimizer`/`scheduler` sections.
+
+transformers' Trainer builds the optimizer and the scheduler itself when the JSON has none (its
+`deepspeed_optim_sched`); memtrain does the same from the recipe's `train.*`, and passes them to
+`deepspeed.initialize`. A JSON section, when present, wins: DeepSpeed builds that one.
+
+- optimizer: torch's AdamW (fused on CUDA, foreach elsewhere: no op to JIT-build), or DeepSpeed's
+  CPU Adam in AdamW mode when ZeRO offloads the optimizer (DeepSpeed requires its own CPU optimizer
+  there). Weight decay applies to every parameter, as with a JSON `AdamW` section, so that a JSON
+  with and without the section train the same.
+- schedule: DeepSpeed's WarmupCosineLR (linear warm-up over `train.warmup_steps` from 0 to
+  `train.lr`, cosine decay to `train.min_lr` at `train.max_steps`), passed as a callable so that
+  DeepSpeed builds it on the optimizer it ends up wrapping.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from memtrain.config.ds_config import offload_device
+
+
+def own_optimizer(cfg: dict) -> bool:
+    return "optimizer" not in cfg
+
+
+def own_scheduler(cfg: dict) -> bool:
+    return "scheduler" not in cfg
+
+
+def optimizer_kwargs(recipe) -> dict:
+    t = recipe.train
+    return {"lr": t.lr, "betas": tuple(t.adam_betas), "eps": t.adam_eps, "weight_decay": t.weight_decay}
+
+
+def optimizer_name(cfg: dict) -> str:
+    """What `build_optimizer` builds for this (resolved) JSON, in words."""
+    if offload_device(cfg, "optimizer") != "none":
+        return "DeepSpeed's CPU Adam (AdamW mode; the optimizer is offloaded)"
+    return f"torch.optim.AdamW ({'fused' if torch.cuda.is_available() else 'foreach'})"
+
+
+def build_optimizer(params, cfg: dict, recipe) -> torch.optim.Optimizer:
+    kwargs = optimizer_kwargs(recipe)
+    if offload_device(cfg, "optimizer") != "none":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+    impl = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
+    return torch.optim.AdamW(params, **kwargs, **impl)
+
+
+def schedule_kwargs(recipe) -> dict:
+    t = recipe.train
+    # DeepSpeed >= 0.19.6 rejects 0 warm-up steps (transformers fills max(1, warmup) too)
+    return {"total_num_steps": t.max_steps, "warmup_min_ratio": 0.0, "warmup_num_steps": max(1, t.warmup_steps),
+            "cos_min_ratio": t.min_lr / t.lr, "warmup_type": "linear"}
+
+
+def build_schedule(recipe) -> Callable[[torch.optim.Optimizer], Any]:
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    kwargs = schedule_kwargs(recipe)
+    return lambda optimizer: WarmupCosineLR(optimizer, **kwargs)
+
+
+def engine_arguments(model, cfg: dict, recipe) -> dict:
+    """Keyword arguments for `deepspeed.initialize`: the JSON's sections, or memtrain's own."""
+    out: dict[str, Optional[Any]] = {"model": model, "model_parameters": model.parameters(), "config": cfg}
+    if own_optimizer(cfg):
+        out["optimizer"] = build_optimizer(model.parameters(), cfg, recipe)
+    if own_scheduler(cfg):
+        out["lr_scheduler"] = build_schedule(recipe)
+    return out
+
+
+def own_sections(cfg: dict, recipe) -> dict:
+    """For config.json: the optimizer and schedule memtrain builds where the JSON has no section."""
+    out = {}
+    if own_optimizer(cfg):
+        out["memtrain_optimizer"] = {"type": optimizer_name(cfg), "params": {**optimizer_kwargs(recipe),
+                                                                              "betas": list(recipe.train.adam_betas)}}
+    if own_scheduler(cfg):
+        out["memtrain_scheduler"] = {"type": "WarmupCosineLR", "params": schedule_kwargs(recipe)}
+    return out

@@ -1,0 +1,274 @@
+"""The DeepSpeed JSONs users bring (tests/ds_corpus/: transformers', accelerate's, LLaMA-Factory's,
+axolotl's, DeepSpeedExamples', LLaVA's, InternVL's styles): each one either trains, or is rejected
+with one line naming the key before any worker starts. Nothing is left to a traceback.
+
+Every file goes through the full preflight in this process (cheap: no launcher). Trained through
+the real launcher on 2 CPU ranks (a launch costs ~30 s here, so only these):
+- noopt_zero3_ac.json and auto_everywhere_ac.json: the same job without and with optimizer/scheduler
+  sections. memtrain's own AdamW + schedule must give DeepSpeed's own AdamW + WarmupCosineLR losses.
+- accelerate_zero2_noopt.json: ZeRO-2 without an optimizer ("zero stage 2 requires an optimizer").
+The other "train" files were trained the same way by hand, 2 steps on 2 CPU ranks (2026-11-23, this
+2-core box): llamafactory_ds_z0 (ZeRO-0), llamafactory_ds_z3 (ZeRO-3), axolotl_zero3_bf16 (bf16),
+megatron_ac_contiguous (DeepSpeed's checkpoint with contiguous_memory_optimization), internvl_zero1,
+dse_zero2_explicit. The two CPU-offload ones pass preflight but are not trained here: an offloaded
+optimizer needs DeepSpeed's CPU Adam, a JIT build of minutes (preflight warns of it up front).
+"""
+import json
+import sys
+
+import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
+import pytest
+
+from conftest import FAST, ROOT, assert_ok, run_train
+from memtrain.config.args import parse_args
+from memtrain.config.ds_config import auto_paths, model_hidden_size, resolve_ds_config
+from memtrain.errors import UserError
+from memtrain.tools.tb import read_scalars
+from memtrain.train.preflight import check_run
+
+CORPUS = ROOT / "tests" / "ds_corpus"
+STEPS = ["--max-steps", "3"]
+
+
+def _aio_available() -> bool:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
+
+
+# name: ("train", why) or ("reject", the key the one line must name, why)
+EXPECT = {
+    "accelerate_zero2_noopt.json": ("train", "no optimizer section: memtrain builds AdamW (ZeRO-2)"),
+    "auto_everywhere_ac.json": ("train", "every \"auto\" transformers fills, plus an AC section"),
+    "axolotl_zero3_bf16.json": ("train", "bf16 runs on DeepSpeed's CPU accelerator"),
+    "bad_beta.json": ("reject", "optimizer.params.betas", "beta2 = 1.5 is outside [0, 1)"),
+    "bad_optimizer_key.json": ("reject", "optimizer.params.momentum", "AdamW has no momentum"),
+    "dse_zero1_fp16.json": ("reject", "fp16.enabled", "fp16 is not supported on a CPU"),
+    "dse_zero2_explicit.json": ("train", "explicit values that agree with the recipe"),
+    "hf_zero2_offload.json": ("train", "fp16 \"auto\" is off here; CPU optimizer offload (CPU Adam JIT build)"),
+    "hf_zero3_offload.json": ("train", "model-sized bucket \"auto\"s; CPU offload (CPU Adam JIT build)"),
+    "internvl_zero1.json": ("train", "warm-up lr \"auto\" is filled (DeepSpeed: str - str)"),
+    "llamafactory_ds_z0.json": ("train", "ZeRO-0 without an optimizer"),
+    "llamafactory_ds_z3.json": ("train", "ZeRO-3 without an optimizer"),
+    "megatron_ac_contiguous.json": ("train", "contiguous_memory_optimization: number_checkpoints filled"),
+    "noopt_zero3_ac.json": ("train", "no optimizer/scheduler sections, AC section"),
+    "nvme_no_path.json": ("reject", "offload_param.nvme_path", "NVMe offload needs a path"),
+    "nvme_with_path.json": (("train", "NVMe offload with a writable path and async_io") if _aio_available() else
+                            ("reject", "offload_param.device", "DeepSpeed's async_io op cannot build (no libaio)")),
+    "unfillable_auto.json": ("reject", "zero_optimization.sub_group_size", "an \"auto\" nobody fills"),
+}
+
+
+def test_corpus_is_complete():
+    assert sorted(p.name for p in CORPUS.glob("*.json")) == sorted(EXPECT)
+    assert len(EXPECT) >= 12
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_preflight_decides_each_json(name):
+    argv = ["--deepspeed", str(CORPUS / name), "--run-dir", str(ROOT / "runs" / "never"), *FAST, *STEPS]
+    expect = EXPECT[name]
+    args = parse_args(argv)
+    if expect[0] == "reject":
+        with pytest.raises(UserError) as e:
+            check_run(args, 2)
+        line = str(e.value)
+        assert "\n" not in line and line.startswith(f"{CORPUS / name}: ") and expect[1] in line, (line, expect)
+        return
+    checked = check_run(args, 2)
+    resolved = resolve_ds_config(args.ds_config, args.recipe, 2, ROOT / "runs" / "never",
+                                 len(checked.plan.offload_units), hidden_size=model_hidden_size(checked.config))
+    assert auto_paths(resolved) == [], f"{name}: \"auto\" left in the resolved JSON"
+
+
+def test_auto_fills_follow_transformers():
+    """The values transformers' HfTrainerDeepSpeedConfig puts in (its formulas, restated here)."""
+    args = parse_args(["--deepspeed", str(CORPUS / "hf_zero3_offload.json"), *FAST, *STEPS,
+                       "--set", "train.warmup_steps=0", "--set", "train.adam_eps=1e-6"])
+    cfg = resolve_ds_config(args.ds_config, args.recipe, 2, ROOT / "runs" / "never", 4, hidden_size=128)
+    t = args.recipe.train
+    assert cfg["optimizer"]["params"] == {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": t.weight_decay}
+    assert cfg["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": 1,
+                                          "total_num_steps": 3}
+    z = cfg["zero_optimization"]
+    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == \
+        (128 * 128, int(0.9 * 128 * 128), 1280)
+    assert cfg["train_batch_size"] == 4 * 2 and cfg["gradient_clipping"] == t.grad_clip
+    assert cfg["fp16"]["enabled"] is False
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = {}
+    for name in ("noopt_zero3_ac.json", "auto_everywhere_ac.json", "accelerate_zero2_noopt.json"):
+        run_dir = tmp_path_factory.mktemp(name.split(".")[0]) / "run"
+        save = ["--set", "train.save_interval=2"] if name.startswith("noopt") else []  # step 2 for the export test
+        # a larger lr than the default: the first warm-up update has lr 0, so the second must move the loss
+        save += ["--set", "train.lr=0.03"] if name != "accelerate_zero2_noopt.json" else []
+        proc = run_train(["--deepspeed", str(CORPUS / name), "--run-dir", str(run_dir), *FAST, *STEPS, *save], nproc=2)
+        assert_ok(proc)
+        out[name] = (run_dir, proc)
+    return out
+
+
+def _losses(run_dir):
+    return [v for _, v in read_scalars(run_dir / "tb")["train/loss"]]
+
+
+def test_own_optimizer_matches_deepspeeds(trained):
+    """No sections: memtrain's AdamW + warm-up/cosine. Sections with "auto": DeepSpeed builds them.
+    The two runs must see the same losses step after step (updates 1 and 2 shape steps 2 and 3)."""
+    own, ds = _losses(trained["noopt_zero3_ac.json"][0]), _losses(trained["auto_everywhere_ac.json"][0])
+    assert len(own) == len(ds) == 3
+    assert own == pytest.approx(ds, rel=1e-5, abs=1e-6)
+    assert own[2] != pytest.approx(own[0], abs=1e-4)  # the updates did change something
+    own_lr = [v for _, v in read_scalars(trained["noopt_zero3_ac.json"][0] / "tb")["train/lr"]]
+    ds_lr = [v for _, v in read_scalars(trained["auto_everywhere_ac.json"][0] / "tb")["train/lr"]]
+    assert own_lr == pytest.approx(ds_lr)
+
+
+def test_runs_are_quiet_and_recorded(trained):
+    for name, (run_dir, proc) in trained.items():
+        worker_lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+                        if "[WARNING]" in line or "[INFO]" in line]
+        # the launcher's own lines (runner.py, launch.py) come before memtrain runs; none from the workers
+        assert all("launch.py" in line or "runner.py" in line or "real_accelerator" in line
+                   for line in worker_lines), worker_lines
+        assert "Writing model shards" not in proc.stdout + proc.stderr  # final/ is written quietly
+        assert (run_dir / "deepspeed.log").is_file()
+        config = json.loads((run_dir / "config.json").read_text())["deepspeed"]
+        assert auto_paths(config) == [], name
+        if name.startswith("noopt"):  # what memtrain built for the missing sections is on record
+            record = json.loads((run_dir / "config.json").read_text())
+            assert record["memtrain_optimizer"]["params"]["lr"] == 0.03
+            assert record["memtrain_scheduler"]["params"]["warmup_type"] == "linear"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["skipped_steps"] == 0
+        tags = read_scalars(run_dir / "tb")
+        assert [v for _, v in tags["train/skipped_steps"]] == [0.0, 0.0, 0.0]
+    # DeepSpeed's "total_num_steps 3 is less than warmup_num_steps 4" went to the file, not the console
+    assert "warmup_num_steps" in (trained["auto_everywhere_ac.json"][0] / "deepspeed.log").read_text()
+
+
+def test_number_checkpoints_counts_checkpoint_calls(tmp_path):
+    """contiguous_memory_optimization: number_checkpoints "auto" = checkpoint calls per forward,
+    counted independently here by wrapping the forward of every checkpointed unit."""
+    import torch
+
+    from memtrain.config.ds_config import ac_section
+    from memtrain.config.recipe import ACSection
+    from memtrain.model.build import build_config, build_model
+    from memtrain.recompute.hooks import apply_plan, checkpoint_calls
+    from memtrain.recompute.policy import build_plan
+    from memtrain.config.recipe import load_recipe
+
+    recipe = load_recipe(None, ["model.config.num_hidden_layers=6"])
+    config = build_config(recipe.model, 257, 16)
+    cases = {"full": {}, "sqrt": {}, "every:2": {}, "selective:mlp": {},
+             "modules": {"modules": ["model.layers.*.mlp"]}}
+    for policy, keys in cases.items():
+        model = build_model(recipe.model, config)
+        plan = build_plan(policy, "torch", ac_section({}), 6, section=ACSection(policy=policy, **keys))
+        apply_plan(model, plan)
+        calls = []
+        real = torch.utils.checkpoint.checkpoint
+
+        def counting(fn, *a, **k):
+            calls.append(1)
+            return real(fn, *a, **k)
+
+        torch.utils.checkpoint.checkpoint = counting
+        try:
+            ids = torch.randint(0, 257, (1, 16))
+            model(input_ids=ids, labels=ids).loss.backward()
+        finally:
+            torch.utils.checkpoint.checkpoint = real
+        assert checkpoint_calls(model, plan) == len(calls) > 0, policy
+
+
+def test_final_and_export_load_with_transformers(trained):
+    """`memtrain export RUN --step 2` loads with transformers and gives the loss the run logged at
+    step 3 (computed on the weights after 2 updates, over both ranks' batches); final/ (gathered
+    ZeRO-3 weights at the end) equals the export of the last checkpoint; the tokenizer round-trips."""
+    import subprocess
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import _env
+    from memtrain.model.data import prepare_data
+
+    run_dir = trained["noopt_zero3_ac.json"][0]
+    exported = {}
+    for step in (2, 3):
+        proc = subprocess.run([sys.executable, "-m", "memtrain", "export", str(run_dir), "--step", str(step)],
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        exported[step] = AutoModelForCausalLM.from_pretrained(proc.stdout.strip().splitlines()[-1]).eval()
+    recipe = parse_args(["--deepspeed", str(CORPUS / "noopt_zero3_ac.json"), *FAST, *STEPS]).recipe
+    t = recipe.train
+    data = prepare_data(recipe.data, t.seed, build=False)
+    with torch.no_grad():
+        losses = [exported[2](input_ids=ids, labels=ids).loss.item()
+                  for ids in (data.batch(2, 0, rank, 2, t.micro_batch_size, t.grad_accum_steps) for rank in (0, 1))]
+    logged = dict(read_scalars(run_dir / "tb")["train/loss"])[3]
+    assert sum(losses) / 2 == pytest.approx(logged, rel=1e-4)
+
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    last = exported[3].state_dict()
+    for name, value in final.state_dict().items():
+        torch.testing.assert_close(value.float(), last[name].float(), msg=name)
+    tok = AutoTokenizer.from_pretrained(run_dir / "final")
+    assert tok("héllo")["input_ids"] == list("héllo".encode()) and tok.eos_token_id == 256
+
+
+def test_stale_build_lock_is_cleared_live_one_kept(tmp_path, monkeypatch):
+    """A lock left by a killed op build is removed with one line; one with a live build is kept."""
+    import os
+    import subprocess
+    import time
+
+    from memtrain.train.ds_checks import clear_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old = time.time() - 300
+    for op in ("stale_op", "live_op"):
+        (tmp_path / op).mkdir()
+        (tmp_path / op / "lock").write_text("")
+        os.utime(tmp_path / op / "lock", (old, old))
+    builder = subprocess.Popen(["sleep", "60"], cwd=tmp_path / "live_op")  # stands for ninja in the op's folder
+    try:
+        lines = clear_stale_build_locks()
+    finally:
+        builder.kill()
+        builder.wait()
+    assert len(lines) == 1 and "stale_op/lock" in lines[0]
+    assert not (tmp_path / "stale_op" / "lock").exists() and (tmp_path / "live_op" / "lock").exists()
+
+
+def test_explain_config_says_what_each_key_does(capsys):
+    from memtrain.tools.explain_config import main
+
+    main(["--deepspeed", str(CORPUS / "megatron_ac_contiguous.json"), *FAST, *STEPS])
+    out = capsys.readouterr().out.splitlines()
+    line = {ln.split(" = ")[0]: ln for ln in out if " = " in ln}
+    assert len(line) == 19  # one per key of the JSON
+    assert line["optimizer.params.lr"].endswith('filled 0.003 from train.lr')
+    assert line["train_batch_size"].endswith("filled 8 from micro batch x grad accum x world size")
+    assert "no-op here: shards checkpoints across a model-parallel group" in line["activation_checkpointing.partition_activations"]
+    assert line["zero_optimization.stage"].endswith("in effect")
+    assert "filled 4 from the AC plan's checkpoint calls" in line["activation_checkpointing.number_checkpoints"]
+    main(["--deepspeed", str(CORPUS / "dse_zero1_fp16.json"), *FAST, *STEPS])
+    out = capsys.readouterr().out.splitlines()
+    fp16 = next(ln for ln in out if ln.startswith("fp16.enabled = true"))
+    assert "rejected: fp16.enabled: true, but this machine's accelerator (cpu) does not support fp16" in fp16
+    assert any("optimizer.params.lr = 0.00015: in effect (overrides the recipe's train.lr=0.003)" == ln for ln in out)
+
+
+def test_skipped_steps_warning_threshold():
+    from memtrain.train.loss_scale import skipped_warning
+
+    assert skipped_warning(5, 100) is None  # 5% exactly: fine
+    assert "6 of 100 optimizer steps (6%) were skipped" in skipped_warning(6, 100)
+    assert skipped_warning(0, 0) is None
