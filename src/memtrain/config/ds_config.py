@@ -86,7 +86,8 @@ def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path,
     _fill(cfg, "scheduler.params.cos_min_ratio", t.min_lr / t.lr)
     _fill(cfg, "bf16.enabled", bf16_supported())
     _fill(cfg, "fp16.enabled", False)
-    _fill(cfg, "activation_checkpointing.number_checkpoints", max(num_ac_layers, 1))
+    if isinstance(cfg.get("activation_checkpointing"), dict):  # left out or "auto": from the plan
+        _fill(cfg, "activation_checkpointing.number_checkpoints", max(num_ac_layers, 1), if_missing=True)
     cfg.setdefault("steps_per_print", 10**9)  # memtrain logs itself; keep DeepSpeed's stdout quiet
     for monitor, sub in (("tensorboard", "tb"), ("csv_monitor", "csv")):
         if isinstance(cfg.get(monitor), dict):

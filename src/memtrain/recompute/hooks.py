@@ -151,7 +151,17 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
 
     def run(function, *args):
         _retain(args, getattr(function, "keywords", None))
-        return base(_observed(function), *args)
+        if plan.backend != "deepspeed":
+            return base(_observed(function), *args)
+        from memtrain.recompute import partition
+
+        if partition.empties_inputs():  # the caller's tensors stay whole (output_hidden_states)
+            args = partition.protect_inputs(args)
+        out = base(_observed(function), *args)
+        meter = current_activation_meter()
+        if meter is not None and torch.is_grad_enabled():  # held on DeepSpeed's ctx: hooks never see it
+            meter.retain(partition.saved_by_deepspeed(out))
+        return out
 
     if offloader is None:
         return run
@@ -160,7 +170,7 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
     return offloader.wrap(run, plan.backend, offload)
 
 
-def configure_deepspeed_ac(ds_config: dict, plan: ACPlan) -> None:
+def configure_deepspeed_ac(ds_config: dict, plan: ACPlan, mpu=None) -> None:
     """Make the JSON's activation_checkpointing section take effect (DeepSpeed leaves it inert).
     DeepSpeed's own CPU_CHECKPOINT runs only when the plan says DeepSpeed offloads; otherwise the
     JSON's `cpu_checkpointing` is memtrain's (memtrain.recompute.offload) and DeepSpeed must not copy too."""
@@ -169,7 +179,12 @@ def configure_deepspeed_ac(ds_config: dict, plan: ACPlan) -> None:
     ds_own = plan.cpu_checkpointing and plan.offload_impl == "deepspeed"
     ds_config = {**ds_config, "activation_checkpointing": {**ds_config.get("activation_checkpointing", {}),
                                                            "cpu_checkpointing": ds_own}}
-    deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+    # mpu: deepspeed.utils.groups when the run has a tensor-parallel group (memtrain.recompute.partition).
+    # DeepSpeed builds a whole DeepSpeedConfig from it and checks train_batch_size against the mpu's
+    # data-parallel size, while the engine checked it against the world: configure reads only the
+    # activation_checkpointing section, so leave the derived batch size out.
+    ds_config.pop("train_batch_size", None)
+    deepspeed.checkpointing.configure(mpu, deepspeed_config=ds_config)
 
 
 # --------------------------------------------------------------------------- installing a plan

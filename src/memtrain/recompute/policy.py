@@ -53,6 +53,8 @@ class ACPlan:
     offload: tuple[bool, ...] = ()  # per layer: the checkpoint call it makes sends its input to host
     offload_impl: str = "memtrain"  # who offloads: memtrain.recompute.offload, or DeepSpeed's own CPU_CHECKPOINT
     offload_skip_last: int = 1  # policy 'modules': the last N matched modules keep their input on the device
+    tp_size: int = 1  # the tensor-parallel group partition_activations shards across (memtrain.train.parallel)
+    checkpoint_input_bytes: Optional[int] = None  # one forward's checkpointed inputs per rank, unpartitioned
 
     @property
     def memtrain_offload(self) -> bool:
@@ -171,7 +173,13 @@ class ACPlan:
         if self.modules:
             lines.append(f"  modules recomputed: {', '.join(self.modules)}")
         offload = self._describe_offload()
-        lines.append(f"  partition_activations: {'on' if self.partition_activations else 'off'}; {offload[0]}")
+        from memtrain.recompute.partition import partition_line
+
+        partitioned = partition_line(self, self.tp_size, self.checkpoint_input_bytes)
+        if partitioned:
+            lines.append(f"  {partitioned}")
+        lines.append(f"  partition_activations: {'on' if self.partition_activations else 'off'}; {offload[0]}"
+                     if not partitioned else f"  {offload[0]}")
         lines += offload[1:]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -263,6 +271,10 @@ def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_pa
     if backend == "torch" and ds_ac["partition_activations"]:
         warnings.append("backend 'torch' ignores the JSON's partition_activations")
     offload_impl = getattr(section, "cpu_checkpointing_impl", "memtrain")
+    if ds_ac["partition_activations"] and model_parallel_size > 1 and backend == "deepspeed" \
+            and ds_ac["cpu_checkpointing"] and offload_impl == "memtrain":
+        # memtrain's offload moves whole inputs; with real partitioning DeepSpeed moves each rank's shard
+        offload_impl = "deepspeed"
     if ds_ac["cpu_checkpointing"] and offload_impl == "deepspeed" and backend != "deepspeed":
         raise UserError("activation_checkpointing.cpu_checkpointing_impl: 'deepspeed' offloads inside DeepSpeed's "
                         "checkpoint only; set activation_checkpointing.backend: deepspeed (or auto)")
@@ -301,6 +313,7 @@ def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_pa
                               every=offload_impl == "deepspeed", segments=segments),
         offload_impl=offload_impl,
         offload_skip_last=skip_last,
+        tp_size=model_parallel_size,
     )
 
 

@@ -29,6 +29,8 @@ from memtrain.config.ds_config import AUTO, ac_section, resolve_ds_config
 from memtrain.errors import UserError, cli_entry
 from memtrain.model.build import build_config
 from memtrain.config.recipe import DataSection
+from memtrain.recompute.partition import with_expected_bytes
+from memtrain.train.parallel import check_tensor_parallel, tp_size
 
 # Top-level keys that DeepSpeed 0.19.8's DeepSpeedConfig reads (recorded from its accesses),
 # plus sequence_parallel_size (read by the engine). An unknown key close to one of these is a
@@ -343,11 +345,14 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
             plan, memory_plan = auto_plan(recipe, args.ds_config, world_size, config)
         else:
             plan = build_plan(policy, recipe.activation_checkpointing.backend, ds_ac, config.num_hidden_layers,
+                              model_parallel_size=tp_size(args.ds_config),
                               section=recipe.activation_checkpointing)  # also rejects op-level under reentrant
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
-    deepspeed_accepts(args.ds_config, resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"),
-                                                        plan.num_recomputed), source)
+    check_tensor_parallel(args.ds_config, source, config, world_size)
+    resolved = resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), plan.num_recomputed)
+    deepspeed_accepts(args.ds_config, resolved, source)
+    plan = with_expected_bytes(plan, config, recipe, resolved)
     warnings += _recipe_overrides(args.ds_config, source, recipe)
     if memory_plan is None and recipe.activation_checkpointing.memory_budget is not None:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")

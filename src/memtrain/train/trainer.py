@@ -29,6 +29,9 @@ from memtrain.memory.tracker import ActivationMeter
 from memtrain.units import GIB
 from memtrain.train.metrics import IntervalTimer, device_memory, host_rss_gib, medians, reset_device_peak
 from memtrain.model.build import build_model
+from memtrain.model.zero_init import build_model_zero3
+from memtrain.recompute import partition
+from memtrain.train import parallel
 from memtrain.train.preflight import check_run
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -219,14 +222,19 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
 
     # --- model, AC hooks, engine
     _seed_everything(t.seed)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero_stage(ds_config) == 3):
+    if zero_stage(ds_config) == 3:  # built partitioned, with transformers' own initialisation
+        model = build_model_zero3(recipe.model, config, ds_config)
+    else:
         model = build_model(recipe.model, config)
-    if plan.backend == "deepspeed":
-        configure_deepspeed_ac(ds_config, plan)
     apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
     model.train()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     device = engine.device  # every tensor that meets a collective lives here
+    layout = parallel.layout(engine)  # DeepSpeed's groups: which batch this rank reads, tokens counted once
+    parallel.check_sharded(engine.module, layout.tp)
+    if plan.backend == "deepspeed":  # after initialize, which creates the tensor-parallel group
+        configure_deepspeed_ac(ds_config, plan, partition.tp_mpu(plan, layout.tp))
+        partition.check_configured(plan, layout.tp)
 
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
     start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
@@ -236,7 +244,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     recompute = _recompute_flops(config, recipe.data.seq_len, plan)
     hardware_flops_per_token = None if recompute is None else flops_per_token + recompute
     peak_tflops = t.peak_tflops or device_peak_tflops()
-    tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
+    tokens_per_step = layout.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, recipe.data.seq_len)
     every = log_every(t, args.ds_config)
     meter = ActivationMeter()
     timer = IntervalTimer(device)
@@ -258,7 +266,8 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         measure = step == interval_start  # activation bytes of one forward per interval
         loss_sum = torch.zeros((), device=device)
         for micro in range(t.grad_accum_steps):
-            ids = to_device(data.batch(step, micro, rank, world, t.micro_batch_size, t.grad_accum_steps), device)
+            ids = to_device(data.batch(step, micro, layout.dp_rank, layout.dp_size, t.micro_batch_size,
+                                       t.grad_accum_steps), device)
             with meter.measure() if measure and micro == 0 else nullcontext():
                 loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
@@ -285,7 +294,8 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         progress.step = done
         steps = done - interval_start
         row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, tokens_per_step, world,
-                                t.micro_batch_size * t.grad_accum_steps, flops_per_token, hardware_flops_per_token,
+                                layout.dp_size * t.micro_batch_size * t.grad_accum_steps, flops_per_token,
+                                hardware_flops_per_token,
                                 peak_tflops, meter.bytes)
         if predicted_peak is not None:  # memtrain's prediction, beside the measured figures
             row["memory/predicted_peak_gib"] = predicted_peak / GIB
@@ -374,7 +384,7 @@ def _clear_run(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_rank, flops_per_token,
+def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_step, flops_per_token,
                       hardware_flops_per_token, peak_tflops, activation_bytes) -> dict[str, float]:
     """One TensorBoard point per log interval: means over its steps, peaks over its steps."""
     allocated, reserved = device_memory()
@@ -384,7 +394,7 @@ def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_
         "train/loss": loss,
         "train/lr": float(engine.get_lr()[0]),
         "throughput/tokens_per_s": tokens_per_s,
-        "throughput/samples_per_s": world * samples_per_rank / step_s,
+        "throughput/samples_per_s": samples_per_step / step_s,
         "throughput/tflops_per_device": tflops,
         "time/step_s": step_s,
         "memory/peak_allocated_gib": allocated,
