@@ -75,6 +75,33 @@ def test_partition_halves_checkpointed_bytes_with_identical_grads(tp):
     assert p["no_mpu"]["graph_bytes"] == full
 
 
+def test_planner_divides_what_tp_shards(tp):
+    """The memory model's TP=2 rank (fake tensors, no DeepSpeed) against the real TP=2 rank's shards
+    and measured activation bytes; TP=1 predicts more, so the division is what makes them agree."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tp_worker  # its model and batch shape
+
+    from memtrain.memory.estimate import Target, model_states, predict, profile_activations
+
+    p = tp["partition"]
+
+    def predicted(tp_size, partition, mode):
+        target = Target("cpu", "float32", MBS, SEQ, 2, tp_size, partition)
+        profile = profile_activations(tp_worker.CONFIG, target)
+        states = model_states(profile, {"zero_optimization": {"stage": 0}}, target)
+        return profile, predict(profile, states, (mode,) * LAYERS)
+
+    profile, keep = predicted(2, False, "keep")
+    assert profile.num_params == p["local_params"]  # q/k/v/o, gate/up/down and the LM head sharded
+    assert keep.saved_activations == p["none"]["meter_bytes"]
+    assert predicted(1, False, "keep")[1].saved_activations > 1.2 * p["none"]["meter_bytes"]
+    for name, partition in (("off", False), ("on", True)):
+        saved = predicted(2, partition, "full")[1].saved_activations
+        assert saved == pytest.approx(p[name]["meter_bytes"], rel=0.01), name
+    assert (predicted(2, False, "full")[1].saved_activations - predicted(2, True, "full")[1].saved_activations
+            == LAYERS * MBS * SEQ * HIDDEN * 4 // 2)
+
+
 def test_configure_needs_initialize_first(tp):
     assert "after deepspeed.initialize" in tp["configure_guard"]
 

@@ -31,7 +31,7 @@ from memtrain.recompute.policy import build_plan
 from memtrain.train import parallel
 from memtrain.train.trainer import _skip_shm_comm_op
 
-OUT = next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))  # the launcher adds --local_rank
+OUT = ""  # set by main(): the results file
 SEQ, MBS, VOCAB, LAYERS, HIDDEN = 32, 2, 257, 2, 64
 SECTION = ModelSection(type="llama", config={"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": LAYERS,
                                              "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -192,6 +192,7 @@ def check_partition() -> None:
     row["grad_max_diff"] = {name: max((grads[name][n] - g).abs().max().item() for n, g in grads["none"].items())
                             for name in ("off", "on", "contiguous", "no_mpu")}
     row["grad_count"] = len(grads["none"])
+    row["local_params"] = sum(p.numel() for p in module.parameters())  # this rank's shards (ZeRO-0)
 
     # output_hidden_states with partitioning on: the layer inputs the model returns stay whole
     c = ds_config(0, 2, {"partition_activations": True})
@@ -242,6 +243,9 @@ def check_trainer() -> None:
 
 def main() -> None:
     import deepspeed
+
+    global OUT
+    OUT = next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))  # the launcher adds --local_rank
 
     torch.set_num_threads(1)
     _skip_shm_comm_op()
