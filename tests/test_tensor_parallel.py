@@ -66,10 +66,12 @@ def test_partition_halves_checkpointed_bytes_with_identical_grads(tp):
     assert p["off"]["graph_bytes"] == full
     assert p["on"]["graph_bytes"] == full // 2 == p["expected_on"]  # the plan line's figure
     assert p["contiguous"]["graph_bytes"] == full // 2  # contiguous_memory_optimization + synchronize
+    # + cpu_checkpointing: DeepSpeed's own CPU_CHECKPOINT holds each partition (memtrain's offload stands aside)
+    assert p["cpu"]["graph_bytes"] == full // 2 and p["cpu_offload_impl"] == "deepspeed"
     # memory/activation_gib sees what DeepSpeed keeps on its autograd context (hooks cannot)
     assert p["off"]["meter_bytes"] - p["on"]["meter_bytes"] == full // 2
     assert p["grad_count"] >= 7 * LAYERS
-    for name in ("off", "on", "contiguous"):
+    for name in ("off", "on", "contiguous", "cpu"):
         assert p["grad_max_diff"][name] == 0.0, name  # bit-identical to no recompute
     # the pitfall: configured without the group (as before initialize), DeepSpeed shards nothing
     assert p["no_mpu"]["graph_bytes"] == full

@@ -168,6 +168,7 @@ def check_partition() -> None:
             c = ds_config(0, 2, section)
             plan = build_plan("full", "deepspeed", ac_section(c), LAYERS, model_parallel_size=2)
             apply_plan(module, plan)
+            row[f"{name}_offload_impl"] = plan.offload_impl if plan.cpu_checkpointing else None
             configure_deepspeed_ac(c, plan, partition.tp_mpu(plan, 2) if mpu_after_initialize else None)
             if name == "on":
                 row["expected_on"] = partition.checkpoint_input_bytes(plan, CONFIG, MBS, SEQ, 4) // 2
@@ -188,9 +189,11 @@ def check_partition() -> None:
     run("off", False)
     run("on", True)
     run("contiguous", True, contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True)
+    # with cpu_checkpointing too, DeepSpeed's own CPU_CHECKPOINT moves each rank's partition to the host
+    run("cpu", True, cpu_checkpointing=True)
     row["analytic_off"] = LAYERS * MBS * SEQ * HIDDEN * 4  # one fp32 hidden state per recomputed layer
     row["grad_max_diff"] = {name: max((grads[name][n] - g).abs().max().item() for n, g in grads["none"].items())
-                            for name in ("off", "on", "contiguous", "no_mpu")}
+                            for name in ("off", "on", "contiguous", "no_mpu", "cpu")}
     row["grad_count"] = len(grads["none"])
     row["local_params"] = sum(p.numel() for p in module.parameters())  # this rank's shards (ZeRO-0)
 

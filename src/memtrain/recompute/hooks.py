@@ -160,7 +160,12 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
         out = base(_observed(function), *args)
         meter = current_activation_meter()
         if meter is not None and torch.is_grad_enabled():  # held on DeepSpeed's ctx: hooks never see it
-            meter.retain(partition.saved_by_deepspeed(out))
+            device = next((t.device for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+            saved = partition.saved_by_deepspeed(out)
+            meter.retain(t for t in saved if t.device == device)
+            for t in saved:  # DeepSpeed's own CPU_CHECKPOINT: on the host, not the device
+                if t.device != device:
+                    meter.offloaded(t.untyped_storage().nbytes())
         return out
 
     if offloader is None:
