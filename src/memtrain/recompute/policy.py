@@ -147,6 +147,13 @@ class ACPlan:
     def num_recomputed(self) -> int:
         return sum(mode != KEEP for mode in self.layers)
 
+    @property
+    def checkpoint_calls(self) -> int:
+        """Checkpoint calls per forward (DeepSpeed's number_checkpoints: contiguous_memory_optimization
+        allocates one buffer per call): one per recomputed layer or sqrt segment; policy 'modules' matches
+        its modules only on the model, so it counts one per pattern and layer."""
+        return len(self.offload_units) + len(self.modules) * len(self.layers)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -350,7 +350,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
     check_tensor_parallel(args.ds_config, source, config, world_size)
-    resolved = resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), plan.num_recomputed)
+    resolved = resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), plan.checkpoint_calls)
     deepspeed_accepts(args.ds_config, resolved, source)
     plan = with_expected_bytes(plan, config, recipe, resolved)
     warnings += _recipe_overrides(args.ds_config, source, recipe)

@@ -201,7 +201,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     run_dir = _choose_run_dir(args)
     ckpt_dir = run_dir / "checkpoints"
     progress.run_dir = run_dir
-    ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.num_recomputed)
+    ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls)
     predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
     if rank == 0:
         if args.overwrite:  # stale events or checkpoints must not mix into the new run
