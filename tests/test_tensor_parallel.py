@@ -71,7 +71,10 @@ def test_partition_halves_checkpointed_bytes_with_identical_grads(tp):
     # memory/activation_gib sees what DeepSpeed keeps on its autograd context (hooks cannot)
     assert p["off"]["meter_bytes"] - p["on"]["meter_bytes"] == full // 2
     assert p["grad_count"] >= 7 * LAYERS
-    for name in ("off", "on", "contiguous", "cpu"):
+    # DeepSpeed's non-reentrant checkpoint partitions alike: counted through the meter (no graph node)
+    assert p["nonreentrant_off"]["meter_bytes"] - p["nonreentrant"]["meter_bytes"] == full // 2
+    assert p["nonreentrant"]["meter_bytes"] == p["on"]["meter_bytes"]
+    for name in ("off", "on", "contiguous", "cpu", "nonreentrant_off", "nonreentrant"):
         assert p["grad_max_diff"][name] == 0.0, name  # bit-identical to no recompute
     # the pitfall: configured without the group (as before initialize), DeepSpeed shards nothing
     assert p["no_mpu"]["graph_bytes"] == full
@@ -108,8 +111,9 @@ def test_configure_needs_initialize_first(tp):
     assert "after deepspeed.initialize" in tp["configure_guard"]
 
 
-def test_output_hidden_states_survive_partitioning(tp):
-    h = tp["hidden_states"]
+@pytest.mark.parametrize("which", ["hidden_states", "hidden_states_nonreentrant"])
+def test_output_hidden_states_survive_partitioning(tp, which):
+    h = tp[which]
     assert h["shapes"] == [[MBS, SEQ, HIDDEN]] * (LAYERS + 1)
     assert h["max_diff"] == 0.0
 

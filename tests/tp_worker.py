@@ -20,7 +20,7 @@ import sys
 import torch
 
 from memtrain.config.ds_config import ac_section
-from memtrain.config.recipe import ModelSection
+from memtrain.config.recipe import ACSection, ModelSection
 from memtrain.memory.tracker import ActivationMeter
 from memtrain.model.build import build_config, build_model
 from memtrain.model.data import RandomTokens
@@ -161,12 +161,13 @@ def check_partition() -> None:
     ids = RandomTokens(VOCAB, SEQ, 13).batch(0, 0, 0, 1, MBS, 1)  # the same batch on both TP ranks
     row = {}
 
-    def run(name: str, partition_on: bool, mpu_after_initialize: bool = True, **ac) -> None:
+    def run(name: str, partition_on: bool, mpu_after_initialize: bool = True, reentrant: bool = True, **ac) -> None:
         remove_plan(module)
         if name != "none":
             section = {"partition_activations": partition_on, **ac}
             c = ds_config(0, 2, section)
-            plan = build_plan("full", "deepspeed", ac_section(c), LAYERS, model_parallel_size=2)
+            plan = build_plan("full", "deepspeed", ac_section(c), LAYERS, model_parallel_size=2,
+                              section=ACSection(deepspeed_reentrant=reentrant))
             apply_plan(module, plan)
             row[f"{name}_offload_impl"] = plan.offload_impl if plan.cpu_checkpointing else None
             configure_deepspeed_ac(c, plan, partition.tp_mpu(plan, 2) if mpu_after_initialize else None)
@@ -191,32 +192,39 @@ def check_partition() -> None:
     run("contiguous", True, contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True)
     # with cpu_checkpointing too, DeepSpeed's own CPU_CHECKPOINT moves each rank's partition to the host
     run("cpu", True, cpu_checkpointing=True)
+    # DeepSpeed's non-reentrant checkpoint: it keeps its inputs in a closure (no graph node to walk)
+    run("nonreentrant_off", False, reentrant=False)
+    run("nonreentrant", True, reentrant=False)
     row["analytic_off"] = LAYERS * MBS * SEQ * HIDDEN * 4  # one fp32 hidden state per recomputed layer
     row["grad_max_diff"] = {name: max((grads[name][n] - g).abs().max().item() for n, g in grads["none"].items())
-                            for name in ("off", "on", "contiguous", "no_mpu", "cpu")}
+                            for name in ("off", "on", "contiguous", "no_mpu", "cpu", "nonreentrant_off",
+                                         "nonreentrant")}
     row["grad_count"] = len(grads["none"])
     row["local_params"] = sum(p.numel() for p in module.parameters())  # this rank's shards (ZeRO-0)
 
-    # output_hidden_states with partitioning on: the layer inputs the model returns stay whole
-    c = ds_config(0, 2, {"partition_activations": True})
-    plan = build_plan("full", "deepspeed", ac_section(c), LAYERS, model_parallel_size=2)
-    remove_plan(module)
-    apply_plan(module, plan)
-    configure_deepspeed_ac(c, plan, partition.tp_mpu(plan, 2))
-    out = module(input_ids=ids, labels=ids, output_hidden_states=True)
-    # read before the backward: DeepSpeed's backward gathers the partitions back into the emptied tensors
-    shapes = [list(h.shape) for h in out.hidden_states]
-    hidden = [h.detach().clone() for h in out.hidden_states]
-    out.loss.backward()
-    module.zero_grad(set_to_none=True)
+    # output_hidden_states with partitioning on (both DeepSpeed checkpoints): the layer inputs stay whole
     remove_plan(module)
     with torch.no_grad():
         plain = module(input_ids=ids, labels=ids, output_hidden_states=True)
-    results["hidden_states"] = {
-        "shapes": shapes,
-        "max_diff": max(((a - b).abs().max().item() if a.shape == b.shape else float("inf"))
-                        for a, b in zip(hidden, plain.hidden_states)),
-    }
+    c = ds_config(0, 2, {"partition_activations": True})
+    for reentrant in (True, False):
+        plan = build_plan("full", "deepspeed", ac_section(c), LAYERS, model_parallel_size=2,
+                          section=ACSection(deepspeed_reentrant=reentrant))
+        remove_plan(module)
+        apply_plan(module, plan)
+        configure_deepspeed_ac(c, plan, partition.tp_mpu(plan, 2))
+        out = module(input_ids=ids, labels=ids, output_hidden_states=True)
+        # read before the backward: DeepSpeed's backward gathers the partitions back into the emptied tensors
+        shapes = [list(h.shape) for h in out.hidden_states]
+        hidden = [h.detach().clone() for h in out.hidden_states]
+        out.loss.backward()
+        module.zero_grad(set_to_none=True)
+        results["hidden_states" + ("" if reentrant else "_nonreentrant")] = {
+            "shapes": shapes,
+            "max_diff": max(((a - b).abs().max().item() if a.shape == b.shape else float("inf"))
+                            for a, b in zip(hidden, plain.hidden_states)),
+        }
+    remove_plan(module)
     results["partition"] = row
     engine.destroy()
 

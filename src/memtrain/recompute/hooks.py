@@ -143,7 +143,8 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
     if plan.backend == "deepspeed":
         import deepspeed
 
-        base = deepspeed.checkpointing.checkpoint
+        base = deepspeed.checkpointing.checkpoint if plan.deepspeed_reentrant else \
+            deepspeed.checkpointing.non_reentrant_checkpoint
     elif mode == OP:
         base = functools.partial(_torch_checkpoint, context_fn=op_context_fn(plan.op_save))
     else:
@@ -159,9 +160,9 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
             args = partition.protect_inputs(args)
         out = base(_observed(function), *args)
         meter = current_activation_meter()
-        if meter is not None and torch.is_grad_enabled():  # held on DeepSpeed's ctx: hooks never see it
+        if meter is not None and torch.is_grad_enabled():  # held by DeepSpeed itself: hooks never see it
             device = next((t.device for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
-            saved = partition.saved_by_deepspeed(out)
+            saved = partition.saved_by_deepspeed(args)
             meter.retain(t for t in saved if t.device == device)
             for t in saved:  # DeepSpeed's own CPU_CHECKPOINT: on the host, not the device
                 if t.device != device:

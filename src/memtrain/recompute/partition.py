@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from memtrain.recompute.offload import _Alias
 
@@ -54,22 +53,18 @@ def protect_inputs(args: tuple) -> tuple:
     return tuple(_Alias.apply(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
-def saved_by_deepspeed(outputs) -> list[torch.Tensor]:
-    """The tensors DeepSpeed's CheckpointFunction keeps for the backward of the call that returned
-    `outputs`. They sit on its autograd context (the outputs' grad_fn) as `deepspeed_saved_tensors`,
-    not in autograd's saved tensors, so saved-tensor hooks never see them. A partitioned or host-copied
-    input is an emptied tensor whose `.saved_data` holds what is really kept."""
-    for t in tree_leaves(outputs):
-        saved = getattr(getattr(t, "grad_fn", None), "deepspeed_saved_tensors", None)
-        if saved is not None:
-            out = []
-            for x in saved:
-                if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
-                    continue  # DeepSpeed's per-input size tensors, non-float inputs
-                data = getattr(x, "saved_data", None)
-                out.append(x if data is None else data)
-            return out
-    return []
+def saved_by_deepspeed(args) -> list[torch.Tensor]:
+    """What DeepSpeed's checkpoint (either one) keeps for the backward of the call it got `args` for.
+    It keeps the input tensor objects themselves (`deepspeed_saved_tensors`: on the reentrant
+    function's autograd context, in the non-reentrant one's closure), not autograd saved tensors,
+    so saved-tensor hooks never see them. When it partitions or copies an input to the host, it
+    empties that object in place and hangs what it really keeps on it as `.saved_data`."""
+    out = []
+    for x in args:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            data = getattr(x, "saved_data", None)
+            out.append(x if data is None else data)
+    return out
 
 
 def partition_line(plan, tp: int, checkpoint_input_bytes: Optional[int]) -> Optional[str]:

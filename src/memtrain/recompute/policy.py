@@ -55,6 +55,7 @@ class ACPlan:
     offload_skip_last: int = 1  # policy 'modules': the last N matched modules keep their input on the device
     tp_size: int = 1  # the tensor-parallel group partition_activations shards across (memtrain.train.parallel)
     checkpoint_input_bytes: Optional[int] = None  # one forward's checkpointed inputs per rank, unpartitioned
+    deepspeed_reentrant: bool = True  # backend deepspeed: checkpoint (reentrant) or non_reentrant_checkpoint
 
     @property
     def memtrain_offload(self) -> bool:
@@ -166,7 +167,8 @@ class ACPlan:
     def describe(self) -> str:
         backend = {
             "torch": "torch.utils.checkpoint (non-reentrant)",
-            "deepspeed": "deepspeed.checkpointing.checkpoint (reentrant)",
+            "deepspeed": "deepspeed.checkpointing.checkpoint (reentrant)" if self.deepspeed_reentrant
+            else "deepspeed.checkpointing.non_reentrant_checkpoint",
         }[self.backend]
         active = self.num_recomputed or self.modules
         lines = [
@@ -321,6 +323,7 @@ def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_pa
         offload_impl=offload_impl,
         offload_skip_last=skip_last,
         tp_size=model_parallel_size,
+        deepspeed_reentrant=getattr(section, "deepspeed_reentrant", True),
     )
 
 
