@@ -168,3 +168,19 @@ def test_bad_autotp_size_subprocess(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"memtrain: error: {tmp_path / 'ds.json'}: tensor_parallel.autotp_size: 3 does not divide the world size 2"]
+
+
+def test_unsharded_model_is_one_line():
+    """What DeepSpeed's AutoTP could not shard (an architecture it does not know) stops the run, never
+    trains unsharded; checked on a model AutoTP never saw (in-process: the check reads module types)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tp_worker
+
+    from memtrain.errors import UserError
+    from memtrain.model.build import build_model
+    from memtrain.train.parallel import check_sharded
+
+    model = build_model(tp_worker.SECTION, tp_worker.CONFIG)
+    check_sharded(model, 1)
+    with pytest.raises(UserError, match="AutoTP sharded no layer of LlamaForCausalLM"):
+        check_sharded(model, 2)
