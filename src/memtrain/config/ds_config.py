@@ -281,6 +281,9 @@ def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path,
         # memtrain builds torch's AdamW (memtrain.train.optimizer); ZeRO takes a client optimizer
         # that is not DeepSpeed's only with this flag (transformers sets it the same way)
         cfg.setdefault("zero_allow_untested_optimizer", True)
+    ac = cfg.get("activation_checkpointing")
+    if isinstance(ac, dict) and "number_checkpoints" not in ac:  # left out: from the plan, as "auto"
+        ac["number_checkpoints"] = max(num_ac_layers, 1)
     cfg.setdefault("steps_per_print", 10**9)  # memtrain logs itself; keep DeepSpeed's stdout quiet
     if default_tensorboard:  # a run's metrics go to run_dir/tb (the summary points there) unless the
         cfg.setdefault("tensorboard", {"enabled": True})  # JSON turns it off; HF-style JSONs have no section

@@ -121,6 +121,9 @@ class ACSection(_Strict):
     (e.g. mul.Tensor); name/N saves every N-th call only (torchtitan's matmul/2)."""
     backend: Literal["auto", "torch", "deepspeed"] = "auto"
     """auto: DeepSpeed's checkpoint when the JSON asks for partitioning or CPU checkpointing, else torch's."""
+    deepspeed_reentrant: bool = True
+    """backend deepspeed: DeepSpeed's reentrant `checkpoint` (true) or its `non_reentrant_checkpoint` (false);
+    both partition and offload the checkpointed inputs as the JSON says."""
     offload_skip_last: NonNegativeInt = 1
     """With the JSON's cpu_checkpointing on: the last N offload units keep their checkpointed input on
     the device (the backward needs them first); all earlier ones go to host memory. A unit is what

@@ -33,6 +33,7 @@ import torch
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP, OP
 from memtrain.recompute.hooks import _pattern, _sublayer, apply_plan, remove_plan
 from memtrain.config.ds_config import AUTO
+from memtrain.memory import tensor_parallel
 from memtrain.memory.tracker import ActivationMeter, StepTracker
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
@@ -64,6 +65,8 @@ class Target:
     loss: str = "standard"  # train.loss: fused | standard (memtrain.model.loss)
     tiled_mlp: object = 0  # activation_checkpointing.tiled_mlp: slices, or "auto"
     sequence_parallel: int = 1  # parallel.sequence (seq_len is already per rank)
+    tp: int = 1  # tensor-parallel size (AutoTP): one rank holds the local shards (memtrain.memory.tensor_parallel)
+    partition: bool = False  # checkpointed inputs partitioned across the TP group (DeepSpeed backend)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -88,11 +91,20 @@ def compute_dtype(ds_config: dict, device: str) -> str:
 
 
 def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] = None) -> Target:
+    from memtrain.config.ds_config import ac_section
+    from memtrain.recompute.policy import resolve_backend
+    from memtrain.train.parallel import tp_size
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     sp = recipe.parallel.sequence
+    tp = tp_size(ds_config)
+    ds_ac = ac_section(ds_config)
+    partition = tp > 1 and ds_ac["partition_activations"] and "activation_checkpointing" in ds_config \
+        and resolve_backend(recipe.activation_checkpointing.backend, ds_ac) == "deepspeed"
     return Target(device, compute_dtype(ds_config, device), recipe.train.micro_batch_size,
-                  max(recipe.data.seq_len // sp, 1), world_size, recipe.train.loss,
-                  recipe.activation_checkpointing.tiled_mlp, sp)
+                  max(recipe.data.seq_len // sp, 1), world_size, loss=recipe.train.loss,
+                  tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
+                  partition=partition)
 
 
 # --------------------------------------------------------------------------- model states
@@ -143,7 +155,8 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     zero = DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
-    n, world, stage = profile.num_params, target.world_size, int(zero.stage)
+    # ZeRO shards over the data-parallel ranks; with TP, profile.num_params is already one rank's shard
+    n, world, stage = profile.num_params, max(target.world_size // target.tp, 1), int(zero.stage)
     c = torch.tensor([], dtype=target.torch_dtype).element_size()
     offloaded = lambda o: o is not None and str(getattr(o.device, "value", o.device)) in ("cpu", "nvme")  # noqa: E731
     offload_opt = stage >= 1 and offloaded(zero.offload_optimizer)
@@ -424,9 +437,12 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
         modes = (KEEP, *modes)
     extra = tuple(m for m in modes if m.startswith(MODULES))
     modes = tuple(m for m in modes if m not in extra)
+    full_config, config = config, tensor_parallel.local_config(config, target.tp)  # one TP rank's shards
     key = (config.to_json_string(), target, modes)
     if key not in _PROFILES:
-        _PROFILES[key] = _measure_profile(config, target, modes)
+        measured = _measure_profile(config, target, modes)
+        measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
+        _PROFILES[key] = tensor_parallel.partition_inputs(measured, target.tp) if target.partition else measured
     profile = _PROFILES[key]
     if not extra:
         return profile
@@ -806,8 +822,10 @@ def predict_plan(config, target: Target, ds_config: dict, plan: ACPlan) -> Predi
     extra = tuple(dict.fromkeys(choice_mode(c)[0] for c in choices if c.startswith(MODULES)))
     profile = profile_activations(config, target, (*supported_modes(), *extra))
     states = model_states(profile, ds_config, target)
-    if plan.partition_activations:
+    if plan.partition_activations and target.tp <= 1:
         notes.append("partition_activations not modelled (it shards nothing without model parallelism)")
+    if tensor_parallel.note(config, target.tp):
+        notes.append(tensor_parallel.note(config, target.tp))
     return predict(profile, states, choices, plan.segments, plan.offload_impl, tuple(notes))
 
 

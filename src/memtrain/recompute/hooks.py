@@ -143,7 +143,8 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
     if plan.backend == "deepspeed":
         import deepspeed
 
-        base = deepspeed.checkpointing.checkpoint
+        base = deepspeed.checkpointing.checkpoint if plan.deepspeed_reentrant else \
+            deepspeed.checkpointing.non_reentrant_checkpoint
     elif mode == OP:
         base = functools.partial(_torch_checkpoint, context_fn=op_context_fn(plan.op_save))
     else:
@@ -151,7 +152,22 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
 
     def run(function, *args):
         _retain(args, getattr(function, "keywords", None))
-        return base(_observed(function), *args)
+        if plan.backend != "deepspeed":
+            return base(_observed(function), *args)
+        from memtrain.recompute import partition
+
+        if partition.empties_inputs():  # the caller's tensors stay whole (output_hidden_states)
+            args = partition.protect_inputs(args)
+        out = base(_observed(function), *args)
+        meter = current_activation_meter()
+        if meter is not None and torch.is_grad_enabled():  # held by DeepSpeed itself: hooks never see it
+            device = next((t.device for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+            saved = partition.saved_by_deepspeed(args)
+            meter.retain(t for t in saved if t.device == device)
+            for t in saved:  # DeepSpeed's own CPU_CHECKPOINT: on the host, not the device
+                if t.device != device:
+                    meter.offloaded(t.untyped_storage().nbytes())
+        return out
 
     if offloader is None:
         return run
@@ -160,7 +176,7 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
     return offloader.wrap(run, plan.backend, offload)
 
 
-def configure_deepspeed_ac(ds_config: dict, plan: ACPlan) -> None:
+def configure_deepspeed_ac(ds_config: dict, plan: ACPlan, mpu=None) -> None:
     """Make the JSON's activation_checkpointing section take effect (DeepSpeed leaves it inert).
     DeepSpeed's own CPU_CHECKPOINT runs only when the plan says DeepSpeed offloads; otherwise the
     JSON's `cpu_checkpointing` is memtrain's (memtrain.recompute.offload) and DeepSpeed must not copy too."""
@@ -170,7 +186,12 @@ def configure_deepspeed_ac(ds_config: dict, plan: ACPlan) -> None:
     ds_config = {**ds_config, "activation_checkpointing": {**ds_config.get("activation_checkpointing", {}),
                                                            "cpu_checkpointing": ds_own,
                                                            "partition_activations": plan.partition_activations}}
-    deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+    # mpu: deepspeed.utils.groups when the run has a tensor-parallel group (memtrain.recompute.partition).
+    # DeepSpeed builds a whole DeepSpeedConfig from it and checks train_batch_size against the mpu's
+    # data-parallel size, while the engine checked it against the world: configure reads only the
+    # activation_checkpointing section, so leave the derived batch size out.
+    ds_config.pop("train_batch_size", None)
+    deepspeed.checkpointing.configure(mpu, deepspeed_config=ds_config)
 
 
 # --------------------------------------------------------------------------- installing a plan

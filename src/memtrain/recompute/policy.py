@@ -54,6 +54,9 @@ class ACPlan:
     offload: tuple[bool, ...] = ()  # per layer: the checkpoint call it makes sends its input to host
     offload_impl: str = "memtrain"  # who offloads: memtrain.recompute.offload, or DeepSpeed's own CPU_CHECKPOINT
     offload_skip_last: int = 1  # policy 'modules': the last N matched modules keep their input on the device
+    tp_size: int = 1  # the tensor-parallel group partition_activations shards across (memtrain.train.parallel)
+    checkpoint_input_bytes: Optional[int] = None  # one forward's checkpointed inputs per rank, unpartitioned
+    deepspeed_reentrant: bool = True  # backend deepspeed: checkpoint (reentrant) or non_reentrant_checkpoint
 
     @property
     def memtrain_offload(self) -> bool:
@@ -88,8 +91,11 @@ class ACPlan:
         noun, _ = self._units_text(units)
         if self.offload_impl == "deepspeed":
             what = f"{len(units)} {noun}" if not self.modules else f"every module matching {', '.join(self.modules)}"
+            why = ("each rank's partition (memtrain's offload moves whole inputs)"
+                   if self.partition_activations and self.tp_size > 1 else
+                   "activation_checkpointing.cpu_checkpointing_impl: deepspeed")
             return [f"cpu_checkpointing: on, DeepSpeed's own CPU_CHECKPOINT copies the input of every checkpoint call "
-                    f"({what}) (activation_checkpointing.cpu_checkpointing_impl: deepspeed)"]
+                    f"({what}) ({why})"]
         how = (f"(pinned host pool, side-stream copies, prefetch {PREFETCH_DEPTH} units ahead); "
                "DeepSpeed's own CPU_CHECKPOINT off")
         if self.modules:
@@ -146,6 +152,14 @@ class ACPlan:
     def num_recomputed(self) -> int:
         return sum(mode != KEEP for mode in self.layers)
 
+    @property
+    def checkpoint_calls(self) -> int:
+        """Checkpoint calls per forward (DeepSpeed's number_checkpoints: contiguous_memory_optimization
+        allocates one buffer per call), before the plan meets the model: one per recomputed layer or sqrt
+        segment; policy 'modules' counts one per pattern and layer, and `recompute.hooks.checkpoint_calls`
+        counts its real matches once the plan is installed."""
+        return len(self.offload_units) + len(self.modules) * len(self.layers)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -158,7 +172,8 @@ class ACPlan:
     def describe(self) -> str:
         backend = {
             "torch": "torch.utils.checkpoint (non-reentrant)",
-            "deepspeed": "deepspeed.checkpointing.checkpoint (reentrant)",
+            "deepspeed": "deepspeed.checkpointing.checkpoint (reentrant)" if self.deepspeed_reentrant
+            else "deepspeed.checkpointing.non_reentrant_checkpoint",
         }[self.backend]
         active = self.num_recomputed or self.modules
         lines = [
@@ -175,8 +190,13 @@ class ACPlan:
         partition = ("partition_activations: on, checkpointed inputs are sharded across the tensor-parallel group"
                      if self.partition_activations else "partition_activations: off")
         offload = self._describe_offload()
+        from memtrain.recompute.partition import partition_line
+
+        partitioned = partition_line(self, self.tp_size, self.checkpoint_input_bytes)
         lines += [f"  {line}" for line in self.notes]
-        if "partition_activations" not in noted:
+        if partitioned:
+            lines.append(f"  {partitioned}")
+        elif "partition_activations" not in noted:
             lines.append(f"  {partition}")
         if "cpu_checkpointing" not in noted:
             lines += [f"  {offload[0]}"] + offload[1:]
@@ -291,6 +311,10 @@ def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_pa
     if backend == "torch" and ds_ac["partition_activations"]:
         warnings.append("backend 'torch' ignores the JSON's partition_activations")
     offload_impl = getattr(section, "cpu_checkpointing_impl", "memtrain")
+    if ds_ac["partition_activations"] and model_parallel_size > 1 and backend == "deepspeed" \
+            and ds_ac["cpu_checkpointing"] and offload_impl == "memtrain":
+        # memtrain's offload moves whole inputs; with real partitioning DeepSpeed moves each rank's shard
+        offload_impl = "deepspeed"
     if ds_ac["cpu_checkpointing"] and offload_impl == "deepspeed" and backend != "deepspeed":
         raise UserError("activation_checkpointing.cpu_checkpointing_impl: 'deepspeed' offloads inside DeepSpeed's "
                         "checkpoint only; set activation_checkpointing.backend: deepspeed (or auto)")
@@ -331,6 +355,8 @@ def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_pa
                       every=offload_impl == "deepspeed", segments=segments),
         offload_impl=offload_impl,
         offload_skip_last=skip_last,
+        tp_size=model_parallel_size,
+        deepspeed_reentrant=getattr(section, "deepspeed_reentrant", True),
     )
 
 

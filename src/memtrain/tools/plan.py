@@ -172,7 +172,10 @@ def format_report(r: dict) -> str:
     lines = [
         f"memtrain plan: recipe {r['recipe']} ({r['model_type']}, {r['num_layers']} layers, hidden "
         f"{r['hidden_size']}, {r['num_params'] / 1e9:.3f} B params); micro-batch {t['micro_batch_size']} x seq "
-        f"{t['seq_len']}, {t['dtype']} on {t['device']}, {t['world_size']} device(s), ZeRO stage {r['zero_stage']}",
+        f"{t['seq_len']}, {t['dtype']} on {t['device']}, {t['world_size']} device(s), ZeRO stage {r['zero_stage']}"
+        + (f", tensor parallel {t['tp']} (one rank's shards; ZeRO over {t['world_size'] // t['tp']} data-parallel "
+           f"rank(s); checkpointed inputs {'partitioned' if t['partition'] else 'not partitioned'})"
+           if t.get("tp", 1) > 1 else ""),
         "activations measured on fake tensors, one decoder layer per mode, scaled by the layer count; "
         f"rates {r['rates_note']}",
         "",
@@ -256,6 +259,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     budget = parse_size(args.budget, "--budget") if args.budget else None
     recipe = load_recipe(args.recipe, args.overrides)
     ds_config = load_ds_config(args.deepspeed)
+    from memtrain.train.parallel import check_tensor_parallel
+
+    check_tensor_parallel(ds_config, args.deepspeed, model_and_config(recipe), args.ngpus)
     if args.max_seq:
         from memtrain.tools.max_seq import format_max_seq, host_memory_bytes, max_seq_report
 

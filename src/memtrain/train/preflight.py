@@ -34,6 +34,8 @@ from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.model.build import build_config, build_on_meta
 from memtrain.recompute.hooks import apply_plan
 from memtrain.config.recipe import DataSection
+from memtrain.recompute.partition import with_expected_bytes
+from memtrain.train.parallel import check_tensor_parallel, tp_size
 
 SECTIONS = ("zero_optimization", "activation_checkpointing", "optimizer", "scheduler", "bf16", "fp16",
             "tensorboard", "csv_monitor", "wandb", "comet")
@@ -322,11 +324,16 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
             plan, memory_plan = auto_plan(recipe, args.ds_config, world_size, config)
         else:
             plan = build_plan(policy, recipe.activation_checkpointing.backend, ds_ac, config.num_hidden_layers,
+                              model_parallel_size=tp_size(args.ds_config),
                               section=recipe.activation_checkpointing, device=run_device())  # also rejects op-level under reentrant
         check_plan_applies(model, plan)
         long_context.check(recipe, args.ds_config, config, world_size)
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
+    check_tensor_parallel(args.ds_config, source, config, world_size)
+    if tp_size(args.ds_config) > 1 and recipe.parallel.sequence > 1:
+        raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's parallel.sequence "
+                        f"({recipe.parallel.sequence}); memtrain runs AutoTP or Ulysses sequence parallelism, not both")
     if resume is not None:
         check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
     hidden = model_hidden_size(config)
@@ -334,9 +341,10 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     if needs_model and hidden is None:
         raise UserError(f"{source}: {needs_model[0]}: \"auto\" is sized by the model's hidden_size, which its "
                         "config does not have; write a number")
-    resolved = resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), len(plan.offload_units),
+    resolved = resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), plan.checkpoint_calls,
                                  hidden_size=hidden)
     deepspeed_accepts(args.ds_config, resolved, source, recipe)
+    plan = with_expected_bytes(plan, config, recipe, resolved)
     warnings += _recipe_overrides(args.ds_config, source, recipe, world_size)
     warnings += [w for w in (ds_checks.build_notice(resolved),) if w]
     warnings += ds_checks.clear_stale_build_locks()

@@ -22,7 +22,7 @@ from memtrain.train import run_dir as run_dirs
 from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
 from memtrain.model.data import RandomTokens, prepare_data, to_device
-from memtrain.config.ds_config import AUTO, get, model_hidden_size, resolve_ds_config, zero_stage
+from memtrain.config.ds_config import AUTO, model_hidden_size, resolve_ds_config, zero_stage
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
 from memtrain.train.optimizer import engine_arguments, own_sections
@@ -33,6 +33,9 @@ from memtrain.memory.tracker import ActivationMeter
 from memtrain.units import GIB
 from memtrain.train.metrics import IntervalTimer, device_memory, host_rss_gib, medians, reset_device_peak
 from memtrain.model.build import build_model
+from memtrain.model.zero_init import build_model_zero3
+from memtrain.recompute import partition
+from memtrain.train import parallel
 from memtrain.train.preflight import check_run
 from memtrain.train import long_context
 
@@ -213,7 +216,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     progress.run_dir = run_dir
     ds_log.to_file(run_dir, rank)  # DeepSpeed's own log: run_dir/deepspeed.log, not the console
-    ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, len(plan.offload_units),
+    ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls,
                                   hidden_size=model_hidden_size(config), default_tensorboard=True)
     predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
     if recipe.data.random_tokens:
@@ -233,25 +236,31 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
 
     # --- model, AC hooks, engine
     _seed_everything(t.seed)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero_stage(ds_config) == 3):
+    if zero_stage(ds_config) == 3:  # built partitioned, with transformers' own initialisation
+        model = build_model_zero3(recipe.model, config, ds_config)
+    else:
         model = build_model(recipe.model, config)
     longctx = long_context.prepare(model, recipe, zero_stage(ds_config))  # tiled MLP, sequence parallel, loss
     sp = longctx.sp
     if rank == 0:
         print("\n".join(longctx.lines), flush=True)
     apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
-    if get(args.ds_config, "activation_checkpointing.number_checkpoints") == AUTO:  # modules are known now
+    ac_json = args.ds_config.get("activation_checkpointing")
+    if isinstance(ac_json, dict) and ac_json.get("number_checkpoints", AUTO) == AUTO:  # modules are known now
         calls = max(1, checkpoint_calls(model, plan))
         if calls != ds_config["activation_checkpointing"]["number_checkpoints"] and rank == 0:
             ds_config["activation_checkpointing"]["number_checkpoints"] = calls
             _write_config(run_dir, args, ds_config, world, plan)
         ds_config["activation_checkpointing"]["number_checkpoints"] = calls
-    if plan.backend == "deepspeed":
-        configure_deepspeed_ac(ds_config, plan)
     model.train()
     # no optimizer/scheduler section: memtrain's own AdamW and the recipe's schedule (as HF's Trainer)
     engine, *_ = deepspeed.initialize(**engine_arguments(model, ds_config, recipe), mpu=longctx.mpu)
     device = engine.device  # every tensor that meets a collective lives here
+    layout = parallel.layout(engine, sp)  # which batch this rank reads; tokens counted once
+    parallel.check_sharded(engine.module, layout.tp)
+    if plan.backend == "deepspeed":  # after initialize, which creates the tensor-parallel group
+        configure_deepspeed_ac(ds_config, plan, partition.tp_mpu(plan, layout.tp))
+        partition.check_configured(plan, layout.tp)
 
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
     start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
@@ -261,7 +270,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     recompute = _recompute_flops(config, recipe.data.seq_len, plan)
     hardware_flops_per_token = None if recompute is None else flops_per_token + recompute
     peak_tflops = t.peak_tflops or device_peak_tflops()
-    tokens_per_step = sp.data_world * t.micro_batch_size * t.grad_accum_steps * recipe.data.seq_len
+    tokens_per_step = layout.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, recipe.data.seq_len)
     every = log_every(t, args.ds_config)
     meter = ActivationMeter()
     timer = IntervalTimer(device)
@@ -283,7 +292,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         measure = step == interval_start  # activation bytes of one forward per interval
         loss_sum = torch.zeros((), device=device)
         for micro in range(t.grad_accum_steps):
-            ids = to_device(data.batch(step, micro, sp.data_rank, sp.data_world, t.micro_batch_size,
+            ids = to_device(data.batch(step, micro, layout.dp_rank, layout.dp_size, t.micro_batch_size,
                                        t.grad_accum_steps), device)
             with meter.measure() if measure and micro == 0 else nullcontext():
                 loss = engine(**sp.slice_batch(ids)).loss
@@ -311,7 +320,8 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         progress.step = done
         steps = done - interval_start
         row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, tokens_per_step, world,
-                                sp.data_world, t.micro_batch_size * t.grad_accum_steps, flops_per_token, hardware_flops_per_token,
+                                layout.dp_size * t.micro_batch_size * t.grad_accum_steps, flops_per_token,
+                                hardware_flops_per_token,
                                 peak_tflops, meter.bytes)
         row.update(scaler_row(engine))
         if predicted_peak is not None:  # memtrain's prediction, beside the measured figures
@@ -409,7 +419,17 @@ def _predicted_peak(recipe, ds_config: dict, world: int, plan, config, memory_pl
     return predict_run(recipe, ds_config, world, plan, config).peak
 
 
-def _interval_metrics(engine, loss, step_s, tokens_per_step, world, data_world, samples_per_rank, flops_per_token,
+def _clear_run(run_dir: Path) -> None:
+    """--overwrite: remove what a previous run left (validation has run; the user asked for it)."""
+    import shutil
+
+    for name in ("tb", "checkpoints"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    for name in ("summary.json", "config.json"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_step, flops_per_token,
                       hardware_flops_per_token, peak_tflops, activation_bytes) -> dict[str, float]:
     """One TensorBoard point per log interval: means over its steps, peaks over its steps."""
     allocated, reserved = device_memory()
@@ -419,7 +439,7 @@ def _interval_metrics(engine, loss, step_s, tokens_per_step, world, data_world, 
         "train/loss": loss,
         "train/lr": float(engine.get_lr()[0]),
         "throughput/tokens_per_s": tokens_per_s,
-        "throughput/samples_per_s": data_world * samples_per_rank / step_s,
+        "throughput/samples_per_s": samples_per_step / step_s,
         "throughput/tflops_per_device": tflops,
         "time/step_s": step_s,
         "memory/peak_allocated_gib": allocated,

@@ -1,0 +1,35 @@
+"""Build a model under `deepspeed.zero.Init` (ZeRO-3) and give it transformers' own weight initialisation.
+
+transformers only runs its ZeRO-3 path (`initialize_weights_zero3`: gather each module's shards,
+run `_initialize_weights` on rank 0) when `is_deepspeed_zero3_enabled()`, which needs an
+`HfDeepSpeedConfig` and therefore `accelerate`. Without it, a model built from config under a bare
+`zero.Init` is initialised on empty shards: its weights keep torch's defaults (embedding std 1.0,
+projections kaiming) instead of the model's `_init_weights` (std 0.02). Here we run transformers'
+own functions for that path ourselves, so nothing of theirs is written again.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from memtrain.config.recipe import ModelSection
+from memtrain.model.build import build_model
+
+
+def build_model_zero3(section: ModelSection, config, ds_config: dict) -> nn.Module:
+    """`build_model` under `deepspeed.zero.Init(ds_config)`; a from-config model then gets
+    transformers' initialisation, module by module (only one module's parameters gathered at a time)."""
+    import deepspeed
+    from transformers.integrations.deepspeed import initialize_weights_zero3, prevent_arange_dtype_change
+
+    # prevent_arange_dtype_change: zero.Init casts tensor constructors to the training dtype; RoPE's
+    # inv_freq must keep the float32 arange transformers asks for (as transformers' own ZeRO-3 path does).
+    with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = build_model(section, config)
+    if section.pretrained:  # loaded weights, not initialised ones
+        return model
+    # construction ran the init on empty shards and marked every module initialised: undo the marks
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    initialize_weights_zero3(model)  # gathers with modifier_rank=0: rank 0 initialises, all ranks get it
+    model.tie_weights()
+    return model

@@ -1,0 +1,97 @@
+"""The run's parallel layout: tensor-parallel size from the JSON, checked before any worker starts;
+after `deepspeed.initialize`, which data-parallel rank a process is (it picks the batch) and how many
+ranks read distinct data (it counts tokens), as DeepSpeed's own groups say."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from memtrain.errors import UserError
+
+
+def tp_size(ds_config: dict) -> int:
+    """`tensor_parallel.autotp_size` (DeepSpeed's AutoTP); 0 and 1 both mean no tensor parallelism."""
+    section = ds_config.get("tensor_parallel")
+    size = section.get("autotp_size", 0) if isinstance(section, dict) else 0
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+
+
+def check_tensor_parallel(ds_config: dict, source: str, config, world_size: int) -> None:
+    """`tensor_parallel` against DeepSpeed's own schema, the world size and the model's heads: one line each."""
+    if "tensor_parallel" not in ds_config:
+        return
+    section = ds_config["tensor_parallel"]
+    if not isinstance(section, dict):
+        raise UserError(f"{source}: tensor_parallel: expected an object {{...}}, got {json.dumps(section)}")
+    size = section.get("autotp_size", 0)
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+        raise UserError(f"{source}: tensor_parallel.autotp_size: expected an integer >= 0, got {json.dumps(size)}")
+    sub: Any = section.get("tp", {})
+    sub_size = sub.get("tp_size", 1) if isinstance(sub, dict) else 1
+    if sub_size not in (1, max(size, 1)):  # DeepSpeed raises this at initialize, inside every worker
+        raise UserError(f"{source}: tensor_parallel.tp.tp_size: {json.dumps(sub_size)} differs from "
+                        f"tensor_parallel.autotp_size {size}; leave it out or make them equal")
+    from pydantic import ValidationError
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+
+    try:
+        TPTrainingConfig(**section)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UserError(f"{source}: tensor_parallel.{where}: {first['msg']}") from None
+    if size <= 1:
+        return
+    if world_size % size:
+        raise UserError(f"{source}: tensor_parallel.autotp_size: {size} does not divide the world size {world_size}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if value is not None and value % size:
+            raise UserError(f"{source}: tensor_parallel.autotp_size: {size} does not divide the model's {name} "
+                            f"{value} (AutoTP shards attention by heads)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits. Ranks of one tensor-parallel group read the same batch (DeepSpeed checks
+    it at the first forward) and count its tokens once."""
+
+    world: int
+    tp: int
+    dp_rank: int
+    dp_size: int
+
+    def tokens_per_step(self, micro_batch: int, grad_accum: int, seq_len: int) -> int:
+        return self.dp_size * micro_batch * grad_accum * seq_len
+
+
+def layout(engine, sp=None) -> Layout:
+    """This rank's layout, read from DeepSpeed after `deepspeed.initialize` (which creates the groups).
+    Under Ulysses sequence parallelism (`sp`, memtrain.train.sequence_parallel) a sequence-parallel group
+    reads one batch: DeepSpeed reports no data-parallel size under its mpu, so `sp` says which."""
+    import deepspeed.comm as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if sp is not None and sp.data_world != world:
+        return Layout(world, 1, sp.data_rank, sp.data_world)
+    tp = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
+    if tp and tp > 1:
+        from deepspeed.utils import groups
+
+        return Layout(world, groups.get_tensor_model_parallel_world_size(), groups.get_data_parallel_rank(),
+                      groups.get_data_parallel_world_size())
+    return Layout(world, 1, rank, world)
+
+
+def check_sharded(model, tp: int) -> None:
+    """AutoTP found nothing to shard in an architecture it does not know: say so, never train unsharded."""
+    if tp <= 1:
+        return
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    if not any(isinstance(m, TensorParallel_Layer) for m in model.modules()):
+        raise UserError(f"tensor_parallel.autotp_size: DeepSpeed's AutoTP sharded no layer of {type(model).__name__} "
+                        "(an architecture it does not know); remove tensor_parallel or give its partition_config")
