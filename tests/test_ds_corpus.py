@@ -255,8 +255,8 @@ def test_explain_config_says_what_each_key_does(capsys):
     line = {ln.split(" = ")[0]: ln for ln in out if " = " in ln}
     assert len(line) == 19  # one per key of the JSON
     assert line["optimizer.params.lr"].endswith('filled 0.003 from train.lr')
-    assert line["train_batch_size"].endswith("filled 8 from micro batch x grad accum x world size")
-    assert "no-op here: shards checkpoints across a model-parallel group" in line["activation_checkpointing.partition_activations"]
+    assert line["train_batch_size"].endswith("filled 8 from micro batch x grad accum x world size / parallel.sequence")
+    assert "no-op here: nothing to shard: no tensor-parallel group" in line["activation_checkpointing.partition_activations"]
     assert line["zero_optimization.stage"].endswith("in effect")
     assert "filled 4 from the AC plan's checkpoint calls" in line["activation_checkpointing.number_checkpoints"]
     main(["--deepspeed", str(CORPUS / "dse_zero1_fp16.json"), *FAST, *STEPS])

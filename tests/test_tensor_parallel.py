@@ -91,7 +91,7 @@ def test_planner_divides_what_tp_shards(tp):
     p = tp["partition"]
 
     def predicted(tp_size, partition, mode):
-        target = Target("cpu", "float32", MBS, SEQ, 2, tp_size, partition)
+        target = Target("cpu", "float32", MBS, SEQ, 2, tp=tp_size, partition=partition)
         profile = profile_activations(tp_worker.CONFIG, target)
         states = model_states(profile, {"zero_optimization": {"stage": 0}}, target)
         return profile, predict(profile, states, (mode,) * LAYERS)

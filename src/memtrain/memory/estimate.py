@@ -102,7 +102,8 @@ def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] 
     partition = tp > 1 and ds_ac["partition_activations"] and "activation_checkpointing" in ds_config \
         and resolve_backend(recipe.activation_checkpointing.backend, ds_ac) == "deepspeed"
     return Target(device, compute_dtype(ds_config, device), recipe.train.micro_batch_size,
-                  max(recipe.data.seq_len // sp, 1), world_size, loss=recipe.train.loss,
+                  max(recipe.data.seq_len // sp, 1), world_size,
+                  loss=recipe.train.loss if tp <= 1 else "standard",  # AutoTP: memtrain.train.long_context
                   tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
                   partition=partition)
 

@@ -5,6 +5,7 @@ warmup_num_steps 4", which memtrain's own validation already covers) stay readab
 from __future__ import annotations
 
 import logging
+import logging.handlers
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,17 +28,36 @@ def silenced():
         logger.disabled = was
 
 
+def _console_off(logger: logging.Logger) -> None:
+    for h in list(logger.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            logger.removeHandler(h)
+    logger.propagate = False
+
+
+def buffer() -> None:
+    """Off the console now; kept in memory until `to_file` has a place for it. The run directory
+    may not be ready yet: `--overwrite` first moves the earlier run's files (its log too) aside."""
+    logger = _logger()
+    _console_off(logger)
+    if not any(isinstance(h, logging.handlers.MemoryHandler) for h in logger.handlers):
+        logger.addHandler(logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1))
+
+
 def to_file(run_dir: Path, rank: int) -> Path:
-    """Send DeepSpeed's logger to run_dir/deepspeed.log (every rank appends, lines say which)."""
+    """Send DeepSpeed's logger to run_dir/deepspeed.log (every rank appends, lines say which),
+    with what `buffer` held first."""
     logger = _logger()
     path = Path(run_dir) / "deepspeed.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a")
     handler.setFormatter(logging.Formatter(f"[%(asctime)s] [rank {rank}] [%(levelname)s] "
                                            "[%(filename)s:%(lineno)d:%(funcName)s] %(message)s"))
+    _console_off(logger)
     for h in list(logger.handlers):
-        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+        if isinstance(h, logging.handlers.MemoryHandler):
+            h.setTarget(handler)
+            h.flush()
             logger.removeHandler(h)
     logger.addHandler(handler)
-    logger.propagate = False
     return path

@@ -30,7 +30,7 @@ def describe_loss(recipe, config) -> tuple[str, str]:
     return "fused", "loss: fused (torch linear_cross_entropy: lm_head + cross-entropy in chunks, no full logits)"
 
 
-def prepare(model, recipe, stage: int) -> LongContext:
+def prepare(model, recipe, stage: int, tp: int = 1) -> LongContext:
     """Call after init_distributed (and any zero.Init), before apply_plan and deepspeed.initialize."""
     sp_size = recipe.parallel.sequence
     seq = recipe.data.seq_len
@@ -45,7 +45,10 @@ def prepare(model, recipe, stage: int) -> LongContext:
                      f"{sp.data_world} data-parallel group(s); Ulysses attention replaces "
                      f"'{model.config._attn_implementation}' for this process")
     loss, line = describe_loss(recipe, model.config)
-    if loss == "fused" and fused_unsupported(model, model.get_output_embeddings()):
+    if loss == "fused" and tp > 1:  # AutoTP swaps lm_head for its own layer, which gathers the logits
+        loss, line = "standard", (f"loss: standard, not fused: AutoTP (tensor_parallel.autotp_size {tp}) shards "
+                                  "lm_head and gathers its logits; the fused loss needs the whole weight")
+    elif loss == "fused" and fused_unsupported(model, model.get_output_embeddings()):
         loss, line = "standard", f"loss: standard, not fused: {fused_unsupported(model, model.get_output_embeddings())}"
     install_loss(model, fused=loss == "fused", sp_reduce=sp.reduce_loss if sp.size > 1 else None)
     lines.append(line)

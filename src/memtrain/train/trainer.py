@@ -215,7 +215,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     run_dir = _choose_run_dir(args)
     ckpt_dir = run_dir / "checkpoints"
     progress.run_dir = run_dir
-    ds_log.to_file(run_dir, rank)  # DeepSpeed's own log: run_dir/deepspeed.log, not the console
+    ds_log.buffer()  # DeepSpeed's own log: off the console, to run_dir/deepspeed.log below
     ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls,
                                   hidden_size=model_hidden_size(config), default_tensorboard=True)
     predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
@@ -233,6 +233,8 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
             print(memory_plan.describe(), flush=True)
         for warning in checked.warnings:
             print(f"warning: {warning}", flush=True)
+    dist.barrier()  # the run directory is ready (an earlier run's files set aside) before any rank writes to it
+    ds_log.to_file(run_dir, rank)
 
     # --- model, AC hooks, engine
     _seed_everything(t.seed)
@@ -240,7 +242,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         model = build_model_zero3(recipe.model, config, ds_config)
     else:
         model = build_model(recipe.model, config)
-    longctx = long_context.prepare(model, recipe, zero_stage(ds_config))  # tiled MLP, sequence parallel, loss
+    longctx = long_context.prepare(model, recipe, zero_stage(ds_config), parallel.tp_size(ds_config))  # tiled MLP, sequence parallel, loss
     sp = longctx.sp
     if rank == 0:
         print("\n".join(longctx.lines), flush=True)
