@@ -29,7 +29,7 @@ def _losses_per_file(tb_dir):
 
 def test_kill_during_save_then_resume_from_previous_good_checkpoint(tmp_path):
     run = tmp_path / "run"
-    ckpt = run / "checkpoints"
+    checkpoints = run / "checkpoints"
     args = [*FAST, "--max-steps", "6", "--set", "train.save_interval=2", "--run-dir", str(run)]
     # SIGKILL rank 0 after step 4's shards are written, as it renames them into place: a sitecustomize
     # (imported by Python at start-up) wraps os.replace, so no test hook lives in the product's save path
@@ -47,14 +47,14 @@ def test_kill_during_save_then_resume_from_previous_good_checkpoint(tmp_path):
     killed = subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert (ckpt / f".tmp-{tag_for(4)}").is_dir() and not (ckpt / tag_for(4)).exists()
-    assert (ckpt / "latest").read_text() == tag_for(2)  # never points at the partial save
+    assert (checkpoints / f".tmp-{tag_for(4)}").is_dir() and not (checkpoints / tag_for(4)).exists()
+    assert (checkpoints / "latest").read_text() == tag_for(2)  # never points at the partial save
 
     resumed = run_train([*args, "--resume"])
     assert_ok(resumed)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6
-    assert not list(ckpt.glob(".tmp-*")) and (ckpt / "latest").read_text() == tag_for(6)
+    assert not list(checkpoints.glob(".tmp-*")) and (checkpoints / "latest").read_text() == tag_for(6)
     first, second = _losses_per_file(run / "tb")
     assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [3, 4, 5, 6]  # resumed after step 2
     assert [second[3], second[4]] == [first[3], first[4]]  # and recomputed steps 3-4 exactly

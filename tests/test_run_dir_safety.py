@@ -211,10 +211,10 @@ def test_resume_past_damaged_checkpoints_equals_the_run(finished, tmp_path):
     """Newest checkpoint truncated, an empty step directory above it, config.json cut: the resumed run
     continues from step 2 and recomputes steps 3-4 exactly; finished, it refuses to resume again."""
     run = _copy(finished, tmp_path)
-    ckpt = run / "checkpoints"
-    shard = ckpt / tag_for(4) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    checkpoints = run / "checkpoints"
+    shard = checkpoints / tag_for(4) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     shard.write_bytes(shard.read_bytes()[:5000])
-    (ckpt / tag_for(3)).mkdir()
+    (checkpoints / tag_for(3)).mkdir()
     (run / "config.json").write_text((run / "config.json").read_text()[:100])
     with pytest.raises(json.JSONDecodeError) as cut:
         json.loads((run / "config.json").read_text())
@@ -225,12 +225,12 @@ def test_resume_past_damaged_checkpoints_equals_the_run(finished, tmp_path):
     assert warnings == [
         f"warning: --resume: {run / 'config.json'} is damaged ({cut_error}); not needed to resume, it is rewritten "
         "from this launch's inputs",
-        f"warning: --resume: model checkpoint {ckpt / tag_for(4)} is damaged (zero_pp_rank_0_mp_rank_00_optim_states.pt "
+        f"warning: --resume: model checkpoint {checkpoints / tag_for(4)} is damaged (zero_pp_rank_0_mp_rank_00_optim_states.pt "
         f"(truncated or corrupt (5000 bytes: File is not a zip file))); skipped, resuming from {tag_for(2)}; it is "
         f"moved to .damaged-{tag_for(4)}",
-        f"warning: --resume: model checkpoint {ckpt / tag_for(3)} is damaged (no model states file (the directory "
+        f"warning: --resume: model checkpoint {checkpoints / tag_for(3)} is damaged (no model states file (the directory "
         f"holds no checkpoint file)); skipped, resuming from {tag_for(2)}; it is moved to .damaged-{tag_for(3)}"]
-    assert (ckpt / f".damaged-{tag_for(4)}" / shard.name).stat().st_size == 5000  # kept for inspection
+    assert (checkpoints / f".damaged-{tag_for(4)}" / shard.name).stat().st_size == 5000  # kept for inspection
     whole = dict(read_scalars(finished / "tb")["train/loss"])
     resumed = read_scalars(run / "tb")["train/loss"]
     assert [s for s, _ in resumed] == [1, 2, 3, 4]

@@ -82,13 +82,13 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
     if not config_path.is_file():
         raise UserError(f"{run_dir}: not a memtrain run directory (no config.json)")
     recipe = Recipe.model_validate(json.loads(config_path.read_text())["recipe"])
-    ckpt_dir = run_dir / "checkpoints"
-    tags = sorted(p.name for p in ckpt_dir.glob(f"{checkpoint.TAG_PREFIX}*") if p.is_dir())
+    checkpoint_dir = run_dir / "checkpoints"
+    tags = sorted(p.name for p in checkpoint_dir.glob(f"{checkpoint.TAG_PREFIX}*") if p.is_dir())
     if not tags:
-        raise UserError(f"{ckpt_dir}: no model checkpoint to export")
+        raise UserError(f"{checkpoint_dir}: no model checkpoint to export")
     tag = checkpoint.tag_for(step) if step is not None else tags[-1]
     if tag not in tags:
-        raise UserError(f"--step {step}: no model checkpoint {tag} in {ckpt_dir}; saved: {', '.join(tags)}")
+        raise UserError(f"--step {step}: no model checkpoint {tag} in {checkpoint_dir}; saved: {', '.join(tags)}")
     out = out or run_dir / f"export-{tag}"
     tokenizer = build_tokenizer(recipe.data.tokenizer)
     model = build_model(recipe.model, build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len))
@@ -96,11 +96,11 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
     import io
 
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in getattr(model, "_tied_weights_keys", None) or []]
     if unexpected:
-        raise UserError(f"{ckpt_dir / tag}: holds weights the recipe's model does not have: {unexpected[:3]}")
+        raise UserError(f"{checkpoint_dir / tag}: holds weights the recipe's model does not have: {unexpected[:3]}")
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(recipe.data.tokenizer, out)
     return out

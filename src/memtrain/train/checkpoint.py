@@ -50,81 +50,81 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine, ckpt_dir: Path, step: int, keep_last: int) -> str:
+def save(engine, checkpoint_dir: Path, step: int, keep_last: int) -> str:
     """Save model, optimizer, scheduler and RNG state after `step` completed steps."""
     import deepspeed.comm as dist
 
     rank = dist.get_rank()
     tag, tmp_tag = tag_for(step), f"{TMP_PREFIX}{tag_for(step)}"
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_dir.glob(f"{TMP_PREFIX}*"):  # left by a save that was killed
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        for stale in checkpoint_dir.glob(f"{TMP_PREFIX}*"):  # left by a save that was killed
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state={"step": step}, save_latest=False)
-    torch.save(_rng_state(), ckpt_dir / tmp_tag / f"rng_rank{rank}.pt")
+    engine.save_checkpoint(str(checkpoint_dir), tag=tmp_tag, client_state={"step": step}, save_latest=False)
+    torch.save(_rng_state(), checkpoint_dir / tmp_tag / f"rng_rank{rank}.pt")
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
-        final = ckpt_dir / tag
+        final = checkpoint_dir / tag
         if final.exists():  # the same step saved again (e.g. a resumed run preempted at once)
-            old = ckpt_dir / f"{TMP_PREFIX}old-{tag}"
+            old = checkpoint_dir / f"{TMP_PREFIX}old-{tag}"
             os.replace(final, old)
-            os.replace(ckpt_dir / tmp_tag, final)
+            os.replace(checkpoint_dir / tmp_tag, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(ckpt_dir / tmp_tag, final)
-        atomic_write_text(ckpt_dir / "latest", tag)  # read by DeepSpeed's own tools (zero_to_fp32.py)
-        _rotate(ckpt_dir, keep_last)
-        finish_overwrite(ckpt_dir.parent)  # --overwrite: the run this one replaces can go now
+            os.replace(checkpoint_dir / tmp_tag, final)
+        atomic_write_text(checkpoint_dir / "latest", tag)  # read by DeepSpeed's own tools (zero_to_fp32.py)
+        _rotate(checkpoint_dir, keep_last)
+        finish_overwrite(checkpoint_dir.parent)  # --overwrite: the run this one replaces can go now
     dist.barrier()
     return tag
 
 
-def _tags(ckpt_dir: Path) -> list[str]:
+def _tags(checkpoint_dir: Path) -> list[str]:
     """Complete checkpoints, oldest first (a `step*` directory only appears by rename)."""
-    if not ckpt_dir.is_dir():
+    if not checkpoint_dir.is_dir():
         return []
-    return sorted(p.name for p in ckpt_dir.glob(f"{TAG_PREFIX}*") if p.is_dir())
+    return sorted(p.name for p in checkpoint_dir.glob(f"{TAG_PREFIX}*") if p.is_dir())
 
 
-def _rotate(ckpt_dir: Path, keep_last: int) -> None:
-    for old in _tags(ckpt_dir)[:-keep_last]:
-        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+def _rotate(checkpoint_dir: Path, keep_last: int) -> None:
+    for old in _tags(checkpoint_dir)[:-keep_last]:
+        shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
 
 
-def latest_tag(ckpt_dir: Optional[Path]) -> Optional[str]:
+def latest_tag(checkpoint_dir: Optional[Path]) -> Optional[str]:
     """The newest complete checkpoint. Not `latest`: a kill between rename and its update is harmless."""
-    tags = _tags(ckpt_dir) if ckpt_dir is not None else []
+    tags = _tags(checkpoint_dir) if checkpoint_dir is not None else []
     return tags[-1] if tags else None
 
 
-def latest_path(ckpt_dir: Optional[Path]) -> Optional[Path]:
-    tag = latest_tag(ckpt_dir)
-    return ckpt_dir / tag if tag else None
+def latest_path(checkpoint_dir: Optional[Path]) -> Optional[Path]:
+    tag = latest_tag(checkpoint_dir)
+    return checkpoint_dir / tag if tag else None
 
 
-def load(engine, ckpt_dir: Path) -> int:
+def load(engine, checkpoint_dir: Path) -> int:
     """Restore the newest intact checkpoint into `engine`; returns the number of completed steps."""
     import deepspeed.comm as dist
 
-    point = resume_point(ckpt_dir)
+    point = resume_point(checkpoint_dir)
     tag = point.tag
-    _, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-    rng_file = ckpt_dir / tag / f"rng_rank{dist.get_rank()}.pt"
+    _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+    rng_file = checkpoint_dir / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     dist.barrier()  # every rank has chosen and read the same checkpoint
     if dist.get_rank() == 0:  # damaged newer ones: kept for inspection, out of the way of saves and rotation
         for skipped, _ in point.skipped:
-            target, n = ckpt_dir / f"{DAMAGED_PREFIX}{skipped}", 1
+            target, n = checkpoint_dir / f"{DAMAGED_PREFIX}{skipped}", 1
             while target.exists():
-                target, n = ckpt_dir / f"{DAMAGED_PREFIX}{skipped}.{n}", n + 1
-            os.replace(ckpt_dir / skipped, target)
+                target, n = checkpoint_dir / f"{DAMAGED_PREFIX}{skipped}.{n}", n + 1
+            os.replace(checkpoint_dir / skipped, target)
     return int(client_state["step"])
 
 
-def has_checkpoint(ckpt_dir: Optional[Path]) -> bool:
-    return latest_tag(ckpt_dir) is not None
+def has_checkpoint(checkpoint_dir: Optional[Path]) -> bool:
+    return latest_tag(checkpoint_dir) is not None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -185,22 +185,22 @@ class ResumePoint:
     skipped: list[tuple[str, list[str]]] = field(default_factory=list)  # newer damaged checkpoints, bad files
     notes: list[str] = field(default_factory=list)  # other damage found on the way (a cut config.json)
 
-    def warnings(self, ckpt_dir: Path) -> list[str]:
-        return self.notes + [f"--resume: model checkpoint {ckpt_dir / tag} is damaged ({'; '.join(bad)}); skipped, "
+    def warnings(self, checkpoint_dir: Path) -> list[str]:
+        return self.notes + [f"--resume: model checkpoint {checkpoint_dir / tag} is damaged ({'; '.join(bad)}); skipped, "
                 f"resuming from {self.tag}; it is moved to {DAMAGED_PREFIX}{tag}" for tag, bad in self.skipped]
 
 
-def resume_point(ckpt_dir: Path) -> ResumePoint:
+def resume_point(checkpoint_dir: Path) -> ResumePoint:
     """The newest intact checkpoint; damaged newer ones are skipped (and named), never deleted."""
     skipped = []
-    for tag in reversed(_tags(ckpt_dir)):
-        bad = damage(ckpt_dir / tag)
+    for tag in reversed(_tags(checkpoint_dir)):
+        bad = damage(checkpoint_dir / tag)
         if not bad:
-            return ResumePoint(tag, int(tag[len(TAG_PREFIX):]), saved_world_size(ckpt_dir / tag), skipped)
+            return ResumePoint(tag, int(tag[len(TAG_PREFIX):]), saved_world_size(checkpoint_dir / tag), skipped)
         skipped.append((tag, bad))
     if skipped:
         tag, bad = skipped[0]
-        raise UserError(f"--resume: no intact model checkpoint in {ckpt_dir}; the newest, {ckpt_dir / tag}, "
+        raise UserError(f"--resume: no intact model checkpoint in {checkpoint_dir}; the newest, {checkpoint_dir / tag}, "
                         f"is damaged: {'; '.join(bad)}" + (f" (and {len(skipped) - 1} older ones)" if len(skipped) > 1
                                                            else ""))
-    raise UserError(f"--resume: no complete model checkpoint in {ckpt_dir}")
+    raise UserError(f"--resume: no complete model checkpoint in {checkpoint_dir}")

@@ -13,13 +13,13 @@ from memtrain.train.run_dir import ASIDE
 
 
 def check_resume(run_dir: Path, world_size: int, max_steps: int) -> checkpoint.ResumePoint:
-    ckpt_dir = run_dir / "checkpoints"
-    if not checkpoint.has_checkpoint(ckpt_dir) and checkpoint.has_checkpoint(run_dir / ASIDE / "checkpoints"):
-        raise UserError(f"--resume: no model checkpoint in {ckpt_dir}; an interrupted --overwrite left the earlier "
+    checkpoint_dir = run_dir / "checkpoints"
+    if not checkpoint.has_checkpoint(checkpoint_dir) and checkpoint.has_checkpoint(run_dir / ASIDE / "checkpoints"):
+        raise UserError(f"--resume: no model checkpoint in {checkpoint_dir}; an interrupted --overwrite left the earlier "
                         f"run in {run_dir / ASIDE}: move its entries back into {run_dir} to resume it")
-    point = checkpoint.resume_point(ckpt_dir)
+    point = checkpoint.resume_point(checkpoint_dir)
     if point.world_size != world_size:
-        raise UserError(f"--resume: {ckpt_dir / point.tag} was saved by {point.world_size} ranks, this launch has "
+        raise UserError(f"--resume: {checkpoint_dir / point.tag} was saved by {point.world_size} ranks, this launch has "
                         f"{world_size}; ZeRO checkpoints are per rank, relaunch with {point.world_size}")
     config = run_dir / "config.json"
     try:

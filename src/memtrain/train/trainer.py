@@ -213,7 +213,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         dist.broadcast_object_list(shared, src=0)
         plan, memory_plan = shared
     run_dir = _choose_run_dir(args)
-    ckpt_dir = run_dir / "checkpoints"
+    checkpoint_dir = run_dir / "checkpoints"
     progress.run_dir = run_dir
     ds_log.buffer()  # DeepSpeed's own log: off the console, to run_dir/deepspeed.log below
     ds_config = resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls,
@@ -265,7 +265,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         partition.check_configured(plan, layout.tp)
 
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
-    start = checkpoint.load(engine, ckpt_dir) if args.resume else 0  # restores the RNG streams too
+    start = checkpoint.load(engine, checkpoint_dir) if args.resume else 0  # restores the RNG streams too
     progress.step = start
 
     flops_per_token = model_flops_per_token(config, recipe.data.seq_len)
@@ -344,14 +344,14 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
             status = "preempted"
             break
         if t.save_checkpoints and t.save_interval and done % t.save_interval == 0 and done < t.max_steps:
-            checkpoint.save(engine, ckpt_dir, done, t.keep_last)
+            checkpoint.save(engine, checkpoint_dir, done, t.keep_last)
         reset_device_peak()
         timer.start()
     bar.close()
 
     completed = step + 1 if status == "preempted" else t.max_steps
     if t.save_checkpoints and (completed > start or status == "preempted"):
-        checkpoint.save(engine, ckpt_dir, completed, t.keep_last)
+        checkpoint.save(engine, checkpoint_dir, completed, t.keep_last)
     if t.save_checkpoints and status == "completed":  # final/: loads with transformers' from_pretrained
         from memtrain.tools.export import save_final
 
