@@ -131,6 +131,25 @@ def test_trainer_counts_each_token_once(tp):
     assert math.isfinite(m["train/loss"])
 
 
+@pytest.mark.parametrize("run", ["trainer", "trainer_zero1"])
+def test_tp_run_final_model_is_whole(tp, run):
+    """final/ of a TP=2 run (ZeRO-3, and ZeRO-1 whose weights only TP shards) holds the whole weights
+    (DeepSpeed gathers the TP shards), not rank 0's shard."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    assert tp[run]["status"] == "completed"
+    final = Path(tp[run]["run_dir"]) / "final"
+    config = AutoConfig.from_pretrained(final)
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (config.hidden_size, config.hidden_size)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (config.num_key_value_heads * head_dim,
+                                                               config.hidden_size)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (config.hidden_size, config.intermediate_size)
+
+
 # --------------------------------------------------------------------------- bad autotp_size: one line
 
 def _ds(tmp_path, tensor_parallel):

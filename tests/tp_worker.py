@@ -239,8 +239,18 @@ def check_trainer() -> None:
     summary = train(parse_args(["--deepspeed", path, "--run-dir", run_dir, "--max-steps", "2",
                                 "--set", "data.random_tokens=true", "--set", "data.seq_len=64",
                                 "--set", "train.micro_batch_size=4", "--set", "train.log_every=1",
-                                "--set", "train.metric_warmup_steps=1", "--set", "train.save_checkpoints=false"]))
-    results["trainer"] = {"metrics": summary["metrics"], "status": summary["status"]}
+                                "--set", "train.metric_warmup_steps=1", "--set", "train.save_interval=0"]))
+    results["trainer"] = {"metrics": summary["metrics"], "status": summary["status"], "run_dir": run_dir}
+    # ZeRO-1 with TP=2: the weights are not ZeRO-partitioned, only TP-sharded; final/ must still be whole
+    zero1 = os.path.join(os.path.dirname(OUT), f"zero1_tp2_rank{os.environ['RANK']}.json")  # the trainer ended
+    cfg = json.load(open(path))  # the process group: no barrier here, so each rank writes its own copy
+    cfg["zero_optimization"] = {"stage": 1}
+    json.dump(cfg, open(zero1, "w"))
+    run_dir1 = os.path.join(os.path.dirname(OUT), "trainer-run-zero1")
+    summary = train(parse_args(["--deepspeed", zero1, "--run-dir", run_dir1, "--max-steps", "1",
+                                "--set", "data.random_tokens=true", "--set", "data.seq_len=64",
+                                "--set", "train.micro_batch_size=4", "--set", "train.save_interval=0"]))
+    results["trainer_zero1"] = {"status": summary["status"], "run_dir": run_dir1}
 
 
 def main() -> None:

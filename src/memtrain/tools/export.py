@@ -50,12 +50,13 @@ def save_tokenizer(spec: str, out: Path) -> None:
 
 
 def save_final(engine, model, out: Path, tokenizer_spec: str) -> None:
-    """End of a run, on every rank: rank 0 writes `out`. Under ZeRO-3 DeepSpeed's own consolidation
-    gathers one layer at a time to rank 0's host memory (as `save_16bit_model` and accelerate do)."""
+    """End of a run, on every rank: rank 0 writes `out`. Under ZeRO-3 or AutoTP DeepSpeed's own
+    consolidation gathers one layer at a time, ZeRO partitions and tensor-parallel shards alike, to rank
+    0's host memory (as `save_16bit_model` and accelerate do)."""
     import deepspeed.comm as dist
 
-    if engine.zero_optimization_partition_weights():
-        state = engine._zero3_consolidated_16bit_state_dict()  # every rank takes part; None off rank 0
+    if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
+        state = engine._consolidated_16bit_state_dict()  # every rank takes part; None off rank 0
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()} if dist.get_rank() == 0 else None
     if dist.get_rank() == 0:
