@@ -131,23 +131,14 @@ def test_trainer_counts_each_token_once(tp):
     assert math.isfinite(m["train/loss"])
 
 
-@pytest.mark.parametrize("run", ["trainer", "trainer_zero1"])
-def test_tp_run_final_model_is_whole(tp, run):
-    """final/ of a TP=2 run (ZeRO-3, and ZeRO-1 whose weights only TP shards) holds the whole weights
-    (DeepSpeed gathers the TP shards), not rank 0's shard."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    assert tp[run]["status"] == "completed"
-    final = Path(tp[run]["run_dir"]) / "final"
-    config = AutoConfig.from_pretrained(final)
-    with safe_open(str(final / "model.safetensors"), "pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    head_dim = config.hidden_size // config.num_attention_heads
-    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (config.hidden_size, config.hidden_size)
-    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (config.num_key_value_heads * head_dim,
-                                                               config.hidden_size)
-    assert shapes["model.layers.0.mlp.down_proj.weight"] == (config.hidden_size, config.intermediate_size)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tp_final_model_is_whole_and_trained(tp, stage):
+    """final/ (memtrain.tools.export.save_final, as the trainer writes it) of a TP=2 engine holds the whole
+    weights, DeepSpeed gathering the TP shards (and ZeRO-3's partitions), equal to the TP=1 reference
+    trained in lock-step; not rank 0's shard."""
+    final = tp[f"parity_z{stage}"]["final"]
+    assert final["keys_match"] and final["shapes_match"], final
+    assert final["max_abs_diff"] < 5e-4, final  # 5 AdamW steps at lr 1e-2 in lock-step; weights are ~0.02
 
 
 # --------------------------------------------------------------------------- bad autotp_size: one line
