@@ -142,7 +142,11 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
                 measured = sum(m[k] for k in ((parts,) if isinstance(parts, str) else parts))
                 tolerance = 0.05 if term == "grads" else 0  # see above
                 assert p[term] == pytest.approx(measured, rel=tolerance, abs=0), (rank, case, term, m, p)
-            assert m["other"] < 4096 and m["gathered"] == 0, (rank, case, m)  # nothing unaccounted
+            # nothing unaccounted; ZeRO-1/2 may still hold the reduction's flatten copy (reduce_scratch)
+            # for a moment after the backward, until gloo's asynchronous reduce releases it (seen once
+            # in a whole-suite run: 400,136 B on rank 1, the 400,000 B copy of one fp32 bucket)
+            lingering = p["reduce_scratch"] if case.startswith(("1", "2")) else 0
+            assert m["other"] < 4096 + lingering and m["gathered"] == 0, (rank, case, m)
             assert p["update"] == 0  # fp32: no separate fp32 gradients for the update
             if case.startswith("3"):  # the default reuse distance keeps every non-persistent parameter whole
                 assert p["gathered"] == m["gathered_in_forward"], (rank, case, m, p)
