@@ -48,6 +48,7 @@ def _set(*pairs):
     # wrong types, zero or negative sizes
     (_set("train.max_steps=many"), "train.max_steps: Input should be a valid integer"),
     (_set("train.micro_batch_size=0"), "train.micro_batch_size: Input should be greater than 0"),
+    (_set("train.min_lr=0.01"), "train.min_lr: Value error, the schedule's floor must not exceed train.lr=0.003"),
     (_set("data.seq_len=-8"), "data.seq_len: Input should be greater than 0"),
     # AC policy names
     (_set("activation_checkpointing.policy=sometimes"),

@@ -78,6 +78,7 @@ class TrainSection(_Strict):
     max_steps: PositiveInt = 40
     lr: PositiveFloat = 3.0e-3
     min_lr: float = Field(0.0, ge=0)
+    """The cosine schedule's floor; at most train.lr."""
     warmup_steps: NonNegativeInt = 4
     weight_decay: float = Field(0.1, ge=0)
     adam_betas: tuple[_Beta, _Beta] = (0.9, 0.95)
@@ -98,6 +99,14 @@ class TrainSection(_Strict):
     """Model checkpoints to keep; older ones are deleted."""
     save_checkpoints: bool = True
     """false: no model checkpoint at all, not at the end nor on a stop signal (benchmarks)."""
+
+    @field_validator("min_lr")
+    @classmethod
+    def _floor_below_peak(cls, value, info):
+        lr = info.data.get("lr")  # absent when lr itself failed validation: that error is the one to show
+        if lr is not None and value > lr:
+            raise ValueError(f"the schedule's floor must not exceed train.lr={lr:g}")
+        return value
     peak_tflops: Optional[PositiveFloat] = None
     """Peak dense TFLOP/s of one device, for MFU. Auto-detected for known GPUs."""
     loss: Literal["fused", "standard"] = "fused"
