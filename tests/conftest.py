@@ -50,3 +50,48 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture
 def ds_config():
     return str(ROOT / "ds_configs" / "zero3_ckpt.json")
+
+
+def kill_in_save_env(tmp_path: Path, step: int) -> dict:
+    """The env of a run that SIGKILLs itself as it renames step `step`'s shards into place: a
+    sitecustomize (imported by Python at start-up) wraps os.replace, so no test hook lives in the
+    product's save path."""
+    from memtrain.train.checkpoint import tag_for
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, signal\n_replace = os.replace\n"
+        "def replace(src, dst, *args, **kwargs):\n"
+        f"    if os.path.basename(str(src)) == '.tmp-{tag_for(step)}':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return _replace(src, dst, *args, **kwargs)\n"
+        "os.replace = replace\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(hooks), env["PYTHONPATH"]])
+    return env
+
+
+def allocator_peak(model, ids) -> int:
+    """Peak bytes the CPU allocator holds during one forward+backward, above what was held before:
+    torch.profiler's memory events (every allocation and free, from the allocator itself), not
+    memtrain's tracker. Parameter gradients are dropped as soon as they are accumulated (the
+    memory model counts them with the model states)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak

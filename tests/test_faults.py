@@ -1,6 +1,5 @@
 """Faults: a kill in the middle of a save, a NaN loss, an out-of-memory error."""
 import json
-import os
 import re
 import signal
 import subprocess
@@ -8,7 +7,7 @@ import sys
 
 import torch
 
-from conftest import FAST, ROOT, TRAIN, _env, assert_ok, run_train
+from conftest import kill_in_save_env, FAST, ROOT, TRAIN, assert_ok, run_train
 from memtrain.train.checkpoint import tag_for
 from memtrain.train.faults import RunPosition, is_oom, oom_message, write_failure
 from memtrain.config.recipe import load_recipe
@@ -31,19 +30,7 @@ def test_kill_during_save_then_resume_from_previous_good_checkpoint(tmp_path):
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
     args = [*FAST, "--max-steps", "6", "--set", "train.save_interval=2", "--run-dir", str(run)]
-    # SIGKILL rank 0 after step 4's shards are written, as it renames them into place: a sitecustomize
-    # (imported by Python at start-up) wraps os.replace, so no test hook lives in the product's save path
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(
-        "import os, signal\n_replace = os.replace\n"
-        "def replace(src, dst, *args, **kwargs):\n"
-        f"    if os.path.basename(str(src)) == '.tmp-{tag_for(4)}':\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return _replace(src, dst, *args, **kwargs)\n"
-        "os.replace = replace\n")
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join([str(hooks), env["PYTHONPATH"]])
+    env = kill_in_save_env(tmp_path, 4)  # SIGKILL after step 4's shards are written, as they are renamed
     killed = subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from conftest import ROOT, _env, _free_port
+from conftest import allocator_peak, ROOT, _env, _free_port
 from memtrain.train import preflight
 from memtrain.model.loss import install_loss
 from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
@@ -210,28 +210,7 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
 
 # --------------------------------------------------------------------------- the planner's new terms
 
-def _allocator_peak(model, ids) -> int:
-    """Peak bytes the CPU allocator holds during one forward+backward, from torch.profiler's memory
-    events (as tests/test_planner.py measures); parameter gradients dropped as they accumulate (the
-    memory model counts them with the model states)."""
-    from torch.profiler import ProfilerActivity, profile
 
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            del loss
-    finally:
-        for h in hooks:
-            h.remove()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def _planned_and_measured(sets, layers=2, batch=4, seq=256):
@@ -252,7 +231,7 @@ def _planned_and_measured(sets, layers=2, batch=4, seq=256):
     model = mm._fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
     apply_plan(model, plan)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    return pred, _allocator_peak(model, ids)
+    return pred, allocator_peak(model, ids)
 
 
 def test_planner_logits_term_standard_and_fused_match_the_allocator():

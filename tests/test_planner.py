@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, ROOT, assert_ok, run_train
+from conftest import allocator_peak, FAST, ROOT, assert_ok, run_train
 
 from memtrain.tools import ac_profile
 from memtrain.memory import estimate as mm
@@ -101,7 +101,7 @@ def test_activation_peak_matches_a_real_step(tiny):
     ids = torch.randint(0, config.vocab_size, (1, profile.target.seq_len), generator=torch.Generator().manual_seed(0))
     for plan in [("keep",) * 4, ("full", "op", "mlp", "attn"), ("attn", "keep", "full", "op")]:
         apply_plan(model, mm._mode_plan(model, plan))
-        measured = _allocator_peak(model, ids)
+        measured = allocator_peak(model, ids)
         meter = ActivationMeter()
         with meter.measure():
             loss = model(input_ids=ids, labels=ids).loss
@@ -262,7 +262,7 @@ def test_auto_trains_default_recipe_with_a_mixed_plan(tmp_path):
     ids = torch.randint(0, config.vocab_size, (target.micro_batch_size, target.seq_len),
                         generator=torch.Generator().manual_seed(0))
     apply_plan(model, mm._mode_plan(model, tuple(layers)))
-    measured = _allocator_peak(model, ids)
+    measured = allocator_peak(model, ids)
     predicted_states = memory_plan["prediction"]["model_states"]["total"]
     assert predicted_peak - predicted_states == pytest.approx(measured, rel=0.02), (layers, memory_plan)
 
@@ -294,29 +294,7 @@ def test_plan_cli_budget_table(capsys):
 
 # --------------------------------------------------------------------------- any ACPlan, against the allocator
 
-def _allocator_peak(model, ids) -> int:
-    """Peak bytes the CPU allocator holds during one forward+backward, above what was held before:
-    torch.profiler's memory events (every allocation and free, from the allocator itself), not
-    memtrain's tracker. Parameter gradients are dropped as soon as they are accumulated (the
-    memory model counts them with the model states)."""
-    from torch.profiler import ProfilerActivity, profile
 
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            del loss
-    finally:
-        for h in hooks:
-            h.remove()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def _real_model(recipe, layers: int, batch: int = 4, seq: int = 128):
@@ -349,7 +327,7 @@ def test_predict_run_matches_the_allocator(policy, modules):
     pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
     assert not pred.notes
     apply_plan(model, plan)
-    measured = _allocator_peak(model, ids)
+    measured = allocator_peak(model, ids)
     assert pred.activation_peak == pytest.approx(measured, rel=0.10), (policy, modules, pred.phase)
 
 
@@ -395,10 +373,10 @@ def test_offload_prefetch_term_matches_restores_on_cpu():
         return t, ready
 
     copies.to_device = counting
-    _allocator_peak(model, ids)  # warms the host pool
+    allocator_peak(model, ids)  # warms the host pool
     restored.clear()
     most[0] = 0
-    measured = _allocator_peak(model, ids)
+    measured = allocator_peak(model, ids)
     input_bytes = mm.profile_activations(config, target).layers["full"].input_bytes
     assert pred.prefetched == PREFETCH_DEPTH * input_bytes and pred.phase.startswith("backward")
     assert most[0] == 1 + pred.prefetched // input_bytes

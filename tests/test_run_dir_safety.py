@@ -6,7 +6,6 @@ losses are compared with the losses the uninterrupted run logged, read back from
 """
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import textwrap
 
 import pytest
 
-from conftest import FAST, ROOT, TRAIN, _env, assert_ok, run_train
+from conftest import kill_in_save_env, FAST, ROOT, TRAIN, _env, assert_ok, run_train
 from memtrain.config.args import parse_args
 from memtrain.errors import UserError
 from memtrain.tools.tb import read_scalars
@@ -106,21 +105,7 @@ def test_overwrite_with_a_mistake_changes_nothing(finished, tmp_path):
     assert _snapshot(run) == before
 
 
-def _kill_in_save_env(tmp_path, step):
-    """SIGKILL the process as it renames step `step`'s shards into place: a sitecustomize (imported by
-    Python at start-up) wraps os.replace, so no test hook lives in the product's save path."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(
-        "import os, signal\n_replace = os.replace\n"
-        "def replace(src, dst, *args, **kwargs):\n"
-        f"    if os.path.basename(str(src)) == '.tmp-{tag_for(step)}':\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return _replace(src, dst, *args, **kwargs)\n"
-        "os.replace = replace\n")
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join([str(hooks), env["PYTHONPATH"]])
-    return env
+
 
 
 def test_overwrite_that_fails_or_is_killed_before_its_first_checkpoint(finished, tmp_path):
@@ -134,7 +119,7 @@ def test_overwrite_that_fails_or_is_killed_before_its_first_checkpoint(finished,
 
     # Killed in its first save: the earlier run is still on disk, whole, under .overwritten/ ...
     killed = subprocess.run([sys.executable, str(TRAIN), *RUN_ARGS, "--run-dir", str(run), "--overwrite"], cwd=ROOT,
-                            env=_kill_in_save_env(tmp_path, 2), capture_output=True, text=True, timeout=600)
+                            env=kill_in_save_env(tmp_path, 2), capture_output=True, text=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert _snapshot(run / ".overwritten") == before
     with pytest.raises(UserError, match=r"--resume: no model checkpoint in .*; an interrupted --overwrite left the "

@@ -18,6 +18,11 @@ class RunFailed(Exception):
     """The run itself failed (NaN/inf loss, out of memory); summary.json records the same line."""
 
 
+def not_utf8(e: UnicodeDecodeError) -> str:
+    """The words for a file that is not UTF-8 text, with the first bad byte and its offset."""
+    return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag or value is one UserError line (`--max-steps: invalid int value: 'abc'`)
     instead of the usage text over several lines; `--help` is unchanged."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from memtrain.errors import UserError
+from memtrain.errors import UserError, not_utf8
 from memtrain.config.recipe import Recipe
 
 AUTO = "auto"
@@ -32,7 +32,7 @@ def load_ds_config(path: str | Path) -> dict:
     try:
         cfg = json.loads(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
-        raise UserError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+        raise UserError(f"{p}: {not_utf8(e)}; "
                         "a DeepSpeed config is JSON, which is UTF-8") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{p}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None

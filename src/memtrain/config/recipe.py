@@ -13,7 +13,7 @@ import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationError, field_validator)
 
-from memtrain.errors import UserError
+from memtrain.errors import UserError, not_utf8
 
 DEFAULT_RECIPE_NAME = "tiny"
 
@@ -240,7 +240,7 @@ def load_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as e:
-        raise UserError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+        raise UserError(f"{p}: {not_utf8(e)}; "
                         "save the recipe as UTF-8") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from memtrain.errors import UserError
+from memtrain.errors import UserError, not_utf8
 from memtrain.config.recipe import ModelSection
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,8 +90,7 @@ def _check_pretrained_json(path: Path, known) -> None:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
-        raise UserError(f"model.pretrained: {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                        f"{e.start})") from None
+        raise UserError(f"model.pretrained: {path}: {not_utf8(e)}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"model.pretrained: {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}"
                         ) from None

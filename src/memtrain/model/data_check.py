@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from memtrain.config.recipe import DataSection
-from memtrain.errors import UserError
+from memtrain.errors import UserError, not_utf8
 
 HEAD = 1 << 16  # bytes of each text/JSON file looked at
 JSON_LINES = 20  # JSON lines parsed per file
@@ -48,7 +48,7 @@ def _head_text(f: Path) -> str:
     except UnicodeDecodeError as e:
         if e.start >= len(head) - 3 and len(head) == HEAD:  # a character cut by the head's end
             return head[:e.start].decode("utf-8")
-        raise UserError(f"data.paths: {f}: not UTF-8 text (byte 0x{head[e.start]:02x} at offset {e.start})") from None
+        raise UserError(f"data.paths: {f}: {not_utf8(e)}") from None
 
 
 def _check_json(f: Path, head: str, key: str) -> None:
