@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtrain.errors import UserError
 from memtrain.model.build import decoder_layers
 from memtrain.model.loss import fused_unsupported, install_loss
 from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
@@ -53,15 +52,6 @@ def prepare(model, recipe, stage: int, tp: int = 1) -> LongContext:
     install_loss(model, fused=loss == "fused", sp_reduce=sp.reduce_loss if sp.size > 1 else None)
     lines.append(line)
     return LongContext(mpu=mpu, sp=sp, loss=loss, lines=lines)
-
-
-def check_json(recipe, ds_config: dict, source: str) -> None:
-    """Preflight: the JSON's sequence_parallel_size agrees with parallel.sequence (or is "auto")."""
-    sp = recipe.parallel.sequence
-    json_sp = ds_config.get("sequence_parallel_size", "auto")
-    if json_sp != "auto" and json_sp != sp:
-        raise UserError(f"{source}: sequence_parallel_size: {json_sp} disagrees with the recipe's "
-                        f"parallel.sequence={sp}; write \"auto\" or make them equal")
 
 
 def check(recipe, ds_config: dict, config, world: int) -> None:

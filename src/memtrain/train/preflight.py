@@ -300,7 +300,6 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     """Every check, cheapest first; raises UserError on the first mistake."""
     recipe, source = args.recipe, args.ds_config_path
     warnings = check_ds_json(args.ds_config, source)
-    long_context.check_json(recipe, args.ds_config, source)
     check_batch(args.ds_config, source, recipe, world_size)
     resume = check_run_dir(args, world_size)
     if resume is not None:
