@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from memtrain.recompute.hooks import apply_plan
-from memtrain.recompute.policy import build_plan, parse_policy
-from memtrain.config.ds_config import ac_section
+from memtrain.recompute.policy import plan_for, parse_policy
 from memtrain.errors import UserError
 from memtrain.memory.tracker import ActivationMeter
 from memtrain.model.build import build_config, build_model, decoder_layers
@@ -30,7 +29,7 @@ def _model(family):
 
 def _grads_and_activation(model, policy, ids):
     _, layers = decoder_layers(model)
-    apply_plan(layers, build_plan(policy, "torch", ac_section({}), len(layers)))
+    apply_plan(layers, plan_for(policy, len(layers), backend="torch"))
     meter = ActivationMeter()
     with meter.measure():
         loss = model(input_ids=ids, labels=ids).loss

@@ -9,15 +9,14 @@ import torch
 from torch import nn
 
 from conftest import FAST, ROOT, assert_ok, run_train
-from memtrain.recompute.policy import ACPlan, build_plan, parse_policy, sqrt_segments
+from memtrain.recompute.policy import ACPlan, plan_for, parse_policy, sqrt_segments
 from memtrain.recompute.hooks import apply_plan
 from memtrain.tools.ac_profile import main as ac_profile_main
 from memtrain.tools.ac_profile import max_rel_err, measure_step
-from memtrain.config.ds_config import ac_section
 from memtrain.errors import UserError
 from memtrain.memory.tracker import ActivationMeter
 from memtrain.model.build import build_config, build_model
-from memtrain.config.recipe import ACSection, ModelSection
+from memtrain.config.recipe import ModelSection
 
 SEQ, BATCH, VOCAB = 32, 2, 257
 FAMILIES = {
@@ -49,7 +48,7 @@ def _model(family, dropout=0.0):
 
 
 def _plan(policy, **keys):
-    return build_plan(policy, "torch", ac_section({}), 4, section=ACSection(**keys))
+    return plan_for(policy, 4, backend="torch", **keys)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -156,16 +155,16 @@ def test_policy_strings_and_compositions():
 
 def test_op_needs_torch_backend_and_bad_keys_are_user_errors():
     with pytest.raises(UserError, match="backend is 'deepspeed'"):
-        build_plan("op+first:2", "deepspeed", ac_section({}), 4)
-    json_ac = ac_section({"activation_checkpointing": {"partition_activations": True}})
+        plan_for("op+first:2", 4, backend="deepspeed")
+    json_ac = {"activation_checkpointing": {"partition_activations": True}}
     with pytest.raises(UserError, match="partition_activations/cpu_checkpointing.*backend 'auto'"):
-        build_plan("op", "auto", json_ac, 4, model_parallel_size=2)  # a TP group: partitioning takes effect
-    offload_ac = ac_section({"activation_checkpointing": {"cpu_checkpointing": True}})
+        plan_for("op", 4, ds_config=json_ac, tp_size=2)  # a TP group: partitioning takes effect
+    offload_ac = {"activation_checkpointing": {"cpu_checkpointing": True}}
     with pytest.raises(UserError, match="partition_activations/cpu_checkpointing.*backend 'auto'"):
-        build_plan("op", "auto", offload_ac, 4, device="cuda")
+        plan_for("op", 4, ds_config=offload_ac, device="cuda")
     # where neither key has anything to do (no TP group, a CPU run), 'auto' keeps torch's checkpoint
-    assert build_plan("op", "auto", json_ac, 4).backend == "torch"
-    assert build_plan("op", "auto", offload_ac, 4, device="cpu").backend == "torch"
+    assert plan_for("op", 4, ds_config=json_ac).backend == "torch"
+    assert plan_for("op", 4, ds_config=offload_ac, device="cpu").backend == "torch"
     with pytest.raises(UserError, match="activation_checkpointing.op_save: unknown op 'matmull'"):
         _plan("op", op_save=["matmull"])
     with pytest.raises(UserError, match="activation_checkpointing.op_save: 'matmul/0'"):
@@ -268,7 +267,7 @@ def test_policies_under_zero3_match_no_recompute(zero3_runs, name):
     assert summary(name)["status"] == "completed" and summary(name)["world_size"] == 2
     assert plan["layers"] == list(parse_policy(policy, 4))
     # sqrt segments keep ZeRO-3's hooks on every submodule (no leaf layers, memtrain.config.zero3), which
-    # backend auto then runs under DeepSpeed's reentrant checkpoint (policy.with_zero3_hooks_inside)
+    # backend auto then runs under DeepSpeed's reentrant checkpoint (memtrain.config.recompute_spec)
     assert plan["backend"] == ("deepspeed" if "deepspeed" in name or policy == "sqrt" else "torch")
     assert plan["segments"] == ([[0, 2], [2, 4]] if policy == "sqrt" else [])
     assert f"AC plan: policy '{policy}'" in proc.stdout

@@ -165,11 +165,9 @@ def test_number_checkpoints_counts_checkpoint_calls(tmp_path):
     counted independently here by wrapping the forward of every checkpointed unit."""
     import torch
 
-    from memtrain.config.ds_config import ac_section
-    from memtrain.config.recipe import ACSection
     from memtrain.model.build import build_config, build_model
     from memtrain.recompute.hooks import apply_plan, checkpoint_calls
-    from memtrain.recompute.policy import build_plan
+    from memtrain.recompute.policy import plan_for
     from memtrain.config.recipe import load_recipe
 
     recipe = load_recipe(None, ["model.config.num_hidden_layers=6"])
@@ -178,7 +176,7 @@ def test_number_checkpoints_counts_checkpoint_calls(tmp_path):
              "modules": {"modules": ["model.layers.*.mlp"]}}
     for policy, keys in cases.items():
         model = build_model(recipe.model, config)
-        plan = build_plan(policy, "torch", ac_section({}), 6, section=ACSection(policy=policy, **keys))
+        plan = plan_for(policy, 6, backend="torch", **keys)
         apply_plan(model, plan)
         calls = []
         real = torch.utils.checkpoint.checkpoint

@@ -4,8 +4,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memtrain.recompute.hooks import apply_plan
-from memtrain.recompute.policy import build_plan
-from memtrain.config.ds_config import ac_section
+from memtrain.recompute.policy import plan_for
 from memtrain.model.flops import (attention_score_recompute_flops_per_token, device_peak_tflops, model_flops_per_token, recompute_flops_per_token)
 
 SEQ, BATCH, VOCAB = 32, 2, 128
@@ -34,7 +33,7 @@ def _model(type_, attn="eager", **extra):
 def _counted(model, plan=None) -> int:
     """FLOPs FlopCounterMode counts for one forward+backward, with `plan` (memtrain.recompute policy)."""
     if plan:
-        apply_plan(model, build_plan(plan, "torch", ac_section({}), model.config.num_hidden_layers))
+        apply_plan(model, plan_for(plan, model.config.num_hidden_layers, backend="torch"))
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     with FlopCounterMode(display=False) as counter:
         model(input_ids=x, labels=x).loss.backward()
@@ -84,7 +83,7 @@ def test_recompute_flops_match_flop_counter(type_, plans):
     base = _counted(model)
     for policy in plans:
         config, model = _model(type_)
-        layers = build_plan(policy, "torch", ac_section({}), config.num_hidden_layers).layers
+        layers = plan_for(policy, config.num_hidden_layers, backend="torch").layers
         measured = _counted(model, policy) - base
         predicted = recompute_flops_per_token(config, SEQ, layers) * BATCH * SEQ
         assert predicted == pytest.approx(measured, rel=1e-3, abs=1), (policy, layers)

@@ -9,7 +9,6 @@ ORDER = ["config", "model", "recompute", "memory", "train", "tools"]
 # Known debt (issue 23), one entry per importing module and what it imports. Remove an entry when its import goes.
 KNOWN = {
     ("memory/estimate.py", "private _pattern, _sublayer from memtrain.recompute.hooks"),
-    ("memory/estimate.py", "up: memtrain.train.parallel"),
     ("memory/estimate.py", "up: memtrain.train.metrics"),
     ("model/data_check.py", "private _BUILDERS from memtrain.model.data"),
     ("model/flops.py", "up: memtrain.recompute.policy"),

@@ -214,18 +214,17 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
 
 
 def _planned_and_measured(sets, layers=2, batch=4, seq=256):
-    from memtrain.config.ds_config import ac_section
     from memtrain.config.recipe import load_recipe
     from memtrain.memory import estimate as mm
     from memtrain.memory.planner import predict_run
     from memtrain.recompute.hooks import apply_plan
-    from memtrain.recompute.policy import build_plan
+    from memtrain.recompute.policy import plan_for
 
     recipe = load_recipe(None, [f"train.micro_batch_size={batch}", f"data.seq_len={seq}",
                                 f"model.config.num_hidden_layers={layers}", *sets])
     config = mm.model_and_config(recipe)
     target = mm.make_target(recipe, {}, 1, "cpu")
-    plan = build_plan("full", "torch", ac_section({}), layers)
+    plan = plan_for("full", layers, backend="torch")
     pred = predict_run(recipe, json.loads(DS.read_text()), 1, plan, config, target)
     torch.manual_seed(0)
     model = mm._fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
@@ -260,11 +259,10 @@ def test_planner_tiled_mlp_working_set_matches_the_allocator():
 def test_planner_host_memory_of_offloaded_inputs_and_sequence_parallel_tokens():
     """Offloaded checkpoint inputs on the host: layers x tokens x hidden x bytes (all but the last
     layer, which keeps its input); under parallel.sequence the target holds seq / sp tokens."""
-    from memtrain.config.ds_config import ac_section
     from memtrain.config.recipe import load_recipe
     from memtrain.memory import estimate as mm
     from memtrain.memory.planner import predict_run
-    from memtrain.recompute.policy import build_plan
+    from memtrain.recompute.policy import plan_for
 
     ds = json.loads(DS.read_text())
     ds["activation_checkpointing"]["cpu_checkpointing"] = True
@@ -272,7 +270,7 @@ def test_planner_host_memory_of_offloaded_inputs_and_sequence_parallel_tokens():
         recipe = load_recipe(None, ["data.seq_len=256", "train.micro_batch_size=2", f"parallel.sequence={sp}"])
         target = mm.make_target(recipe, ds, 2, "cpu")
         assert target.seq_len == 256 // sp
-        plan = build_plan("full", "torch", ac_section(ds), 4, section=recipe.activation_checkpointing)
+        plan = plan_for("full", 4, recipe.activation_checkpointing, ds_config=ds, backend="torch")
         pred = predict_run(recipe, ds, 2, plan, None, target)
         assert pred.host_activations == 3 * 2 * (256 // sp) * 128 * 4, sp
 

@@ -15,13 +15,12 @@ import torch
 
 from conftest import FAST, ROOT, assert_ok, run_train
 from memtrain.recompute.hooks import apply_plan, checkpoint_function
-from memtrain.recompute.policy import build_plan
-from memtrain.config.ds_config import ac_section
+from memtrain.recompute.policy import plan_for
 from memtrain.errors import UserError
 from memtrain.memory.tracker import ActivationMeter
 from memtrain.model.build import build_config, build_model, decoder_layers
 from memtrain.recompute.offload import ActivationOffloader, HostBufferPool, offload_flags, offload_units
-from memtrain.config.recipe import ACSection, ModelSection
+from memtrain.config.recipe import ModelSection
 from memtrain.tools.tb import read_scalars
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -70,8 +69,7 @@ def ids():
 
 def _plan(backend, cpu_checkpointing, skip_last=1, policy="full", num_layers=LLAMA["num_hidden_layers"], **section):
     ds = {"activation_checkpointing": {"cpu_checkpointing": cpu_checkpointing}}
-    return build_plan(policy, backend, ac_section(ds), num_layers,
-                      section=ACSection(offload_skip_last=skip_last, **section))
+    return plan_for(policy, num_layers, ds_config=ds, backend=backend, offload_skip_last=skip_last, **section)
 
 
 def _steps(model, ids, steps, deferred=False, after_forward=None):
@@ -136,7 +134,7 @@ def test_grads_equal_pool_reused_memory_moves_to_host(base, ids, reference, back
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
 def test_offloaded_tensors_come_back_bit_exact(backend):
     """Each offloaded input (dtypes, a non-contiguous one) reaches the recompute bit for bit."""
-    plan = build_plan("full", backend, ac_section(OFFLOAD_JSON), 3, section=ACSection(offload_skip_last=0))
+    plan = plan_for("full", 3, ds_config=OFFLOAD_JSON, backend=backend, offload_skip_last=0)
     off = ActivationOffloader(prefetch_depth=1)
     off.copies = DeferredCopies()
     inputs = [torch.randn(5, 7, dtype=torch.float32),
@@ -221,12 +219,11 @@ def test_plan_flags_and_description():
     assert modules.memtrain_offload and not any(modules.offload)
     assert ("inputs of the modules matching model.layers.*.mlp go to host memory, but the last 1 in module order, "
             "which stays on the device") in modules.describe()
-    ds_own = build_plan("full", "deepspeed", ac_section(OFFLOAD_JSON), 4,
-                        section=ACSection(cpu_checkpointing_impl="deepspeed"))
+    ds_own = plan_for("full", 4, ds_config=OFFLOAD_JSON, backend="deepspeed", cpu_checkpointing_impl="deepspeed")
     assert not ds_own.memtrain_offload and "DeepSpeed's own CPU_CHECKPOINT copies" in ds_own.describe()
     assert "cpu_checkpointing: off" in _plan("torch", False).describe()
     with pytest.raises(UserError, match="activation_checkpointing.cpu_checkpointing_impl"):
-        build_plan("full", "torch", ac_section(OFFLOAD_JSON), 4, section=ACSection(cpu_checkpointing_impl="deepspeed"))
+        plan_for("full", 4, ds_config=OFFLOAD_JSON, backend="torch", cpu_checkpointing_impl="deepspeed")
 
 
 HIDDEN_BYTES = 2 * 32 * 64 * 4  # one layer input of `ids`: micro-batch 2 x seq 32 x hidden 64, float32
@@ -450,7 +447,7 @@ def test_bench_host_counts_zero3_work_beside_plain_pytorch(tmp_path):
     from memtrain.tools.bench.host import run
 
     results = run(["torch:noac", "memtrain:full", "memtrain:full-leaf-resident"], steps=2, warmup=3, cores=1,
-                  out=tmp_path)
+                  out=tmp_path, repeats=1)
     plain, full, hooked = results
     assert plain["probe"]["aten_ops"] > 0 and plain["probe"]["cpu_s"] > 0
     assert full["probe"]["fetches"] == {"forward": 10, "recompute": 0, "backward": 9}  # tiny Llama: 4 leaf layers
@@ -460,3 +457,18 @@ def test_bench_host_counts_zero3_work_beside_plain_pytorch(tmp_path):
     assert "| memtrain:full | trainer, policy 'full' |" in report and "10 / 0 / 9" in report
     assert "ZeRO-3 fetches inside the recompute, memtrain:full: 0 (target 0) - met" in report
     assert (tmp_path / "host_overhead.png").stat().st_size > 0
+
+
+def test_bench_host_shows_the_median_round_and_the_range():
+    """Interleaved rounds: each set-up shows its median run (with that run's counters) and every round's tokens/s;
+    a failure in any round is shown, never hidden behind the other rounds."""
+    from memtrain.tools.bench.host import markdown, median_runs
+
+    rounds = [{"setup": "torch:noac", "label": "plain", "tokens_per_s": t, "probe": {"cpu_s": t / 1e6}}
+              for t in (9000.0, 12000.0, 10000.0)]
+    best = median_runs(rounds)
+    assert best["tokens_per_s"] == 10000.0 and best["probe"]["cpu_s"] == 0.01
+    assert best["tokens_per_s_runs"] == [9000.0, 12000.0, 10000.0]
+    assert "| torch:noac | plain | 10,000 | 9,000-12,000 | 1.00 |" in markdown([best])
+    assert median_runs([*rounds[:2], {"setup": "torch:noac", "error": "boom"}]) == {"setup": "torch:noac",
+                                                                                      "error": "boom"}

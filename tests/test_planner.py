@@ -26,8 +26,9 @@ from memtrain.memory import estimate as mm
 from memtrain.tools import plan as plan_cli
 from memtrain.memory import planner
 from memtrain.recompute.hooks import apply_plan
-from memtrain.recompute.policy import build_plan
-from memtrain.config.ds_config import ac_section, load_ds_config
+from memtrain.recompute.policy import plan_for
+from memtrain.config.ds_config import load_ds_config
+from memtrain.config.recompute_spec import resolve_recompute
 from memtrain.errors import UserError
 from memtrain.memory.tracker import ActivationMeter
 from memtrain.units import GIB
@@ -39,7 +40,7 @@ ZERO3 = str(ROOT / "ds_configs" / "zero3_ckpt.json")
 
 
 def _predicted_bytes(profile, recipe, policy, num_layers):
-    plan = build_plan(policy, "torch", ac_section({}), num_layers, section=recipe.activation_checkpointing)
+    plan = plan_for(policy, num_layers, recipe.activation_checkpointing, backend="torch")
     return mm.predict(profile, NO_STATES, plan.layers).saved_activations
 
 
@@ -79,7 +80,7 @@ def test_activation_bytes_match_1b_layer_shape():
     model = model.to_empty(device="cpu").train()
     ids = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     for policy in ["none", "full", "selective:attn", "selective:mlp", "op"]:
-        apply_plan(model, build_plan(policy, "torch", ac_section({}), 2, section=recipe.activation_checkpointing))
+        apply_plan(model, plan_for(policy, 2, recipe.activation_checkpointing, backend="torch"))
         meter = ActivationMeter()
         with meter.measure():
             loss = model(input_ids=ids, labels=ids).loss
@@ -214,7 +215,8 @@ def test_nothing_fits_says_what_would(tiny):
     recipe8 = load_recipe(None, ["activation_checkpointing.policy=auto",
                                  f"activation_checkpointing.memory_budget={(smallest - (1 << 16)) / GIB:.9f}"])
     with pytest.raises(UserError) as e:
-        planner.auto_plan(recipe8, ds, 1, config, target)
+        spec = resolve_recompute(ds, recipe8.activation_checkpointing, "cpu")
+        planner.auto_plan(spec, recipe8, ds, 1, config, target)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("activation_checkpointing.memory_budget: nothing fits")
     assert "smallest achievable predicted peak" in msg and "would fit: train.micro_batch_size=7" in msg
@@ -322,7 +324,7 @@ def test_predict_run_matches_the_allocator(policy, modules):
     if policy == "modules":
         plan = ACPlan("modules", ("keep",) * 4, "torch", modules=modules)
     else:
-        plan = build_plan(policy, "torch", ac_section({}), 4)
+        plan = plan_for(policy, 4, backend="torch")
     assert bool(plan.segments) == (policy == "sqrt")
     pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
     assert not pred.notes
@@ -340,7 +342,7 @@ def test_predict_run_says_what_it_cannot_model():
     plan = ACPlan("modules", ("keep",) * 4, "torch", modules=("lm_head", "model.layers.*.mlp"))
     pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
     assert len(pred.notes) == 1 and "lm_head" in pred.notes[0] and "not modelled" in pred.notes[0]
-    mlp = planner.predict_run(recipe, load_ds_config(ZERO3), 1, build_plan("selective:mlp", "torch", ac_section({}), 4),
+    mlp = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan_for("selective:mlp", 4, backend="torch"),
                               config, target)
     assert pred.activation_peak == mlp.activation_peak  # the MLP part is modelled as selective:mlp
 
@@ -357,7 +359,7 @@ def test_offload_prefetch_term_matches_restores_on_cpu():
 
     recipe = load_recipe(None, ["train.micro_batch_size=4", "model.config.num_hidden_layers=6"])
     config, target, model, ids = _real_model(recipe, 6)
-    plan = build_plan("full", "torch", {**ac_section({}), "cpu_checkpointing": True}, 6)
+    plan = plan_for("full", 6, ds_config={"activation_checkpointing": {"cpu_checkpointing": True}}, backend="torch")
     assert plan.memtrain_offload and sum(plan.offload) == 5
     pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
     apply_plan(model, plan)

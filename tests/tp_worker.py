@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from memtrain.config.ds_config import ac_section
+from memtrain.config.recompute_spec import resolve_recompute
 from memtrain.config.recipe import ACSection, ModelSection
 from memtrain.memory.tracker import ActivationMeter
 from memtrain.model.build import build_config, build_model
@@ -38,6 +38,11 @@ SECTION = ModelSection(type="llama", config={"hidden_size": HIDDEN, "intermediat
                                              "max_position_embeddings": 64})
 CONFIG = build_config(SECTION, VOCAB, SEQ)
 results: dict = {}
+
+
+def spec_for(cfg: dict, reentrant: bool = True):
+    """The RecomputeSpec of policy full on DeepSpeed's checkpoint under `cfg`, TP 2, as a GPU run decides it."""
+    return resolve_recompute(cfg, ACSection(policy="full", backend="deepspeed", deepspeed_reentrant=reentrant), "cuda", 2)
 
 
 def ds_config(stage: int, tp: int, ac: dict | None = None) -> dict:
@@ -60,8 +65,7 @@ def gathered_state(model, stage: int) -> dict:
 
 
 def check_configure_guard() -> None:
-    plan = build_plan("full", "deepspeed", ac_section({"activation_checkpointing": {"partition_activations": True}}),
-                      LAYERS, model_parallel_size=2)
+    plan = build_plan(spec_for({"activation_checkpointing": {"partition_activations": True}}), LAYERS)
     try:
         partition.tp_mpu(plan, 2)
         results["configure_guard"] = "no error"
@@ -100,14 +104,15 @@ def check_parity(stage: int) -> None:
     model = build_model_zero3(SECTION, CONFIG, cfg) if stage == 3 else build_model(SECTION, CONFIG)
     ref = build_model(SECTION, CONFIG)
     ref.load_state_dict(gathered_state(model, stage))
-    plan = build_plan("full", "deepspeed", ac_section(cfg), LAYERS, model_parallel_size=2)
+    spec = spec_for(cfg)
+    plan = build_plan(spec, LAYERS)
     apply_plan(model, plan)
     model.train()
     ref.train()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     layout = parallel.layout(engine)
     parallel.check_sharded(engine.module, layout.tp)
-    configure_deepspeed_ac(cfg, plan, partition.tp_mpu(plan, layout.tp))
+    configure_deepspeed_ac(spec, LAYERS, partition.tp_mpu(plan, layout.tp))
     partition.check_configured(plan, layout.tp)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     data = RandomTokens(VOCAB, SEQ, 11)
@@ -182,11 +187,11 @@ def check_partition() -> None:
         if name != "none":
             section = {"partition_activations": partition_on, **ac}
             c = ds_config(0, 2, section)
-            plan = build_plan("full", "deepspeed", ac_section(c), LAYERS, model_parallel_size=2,
-                              section=ACSection(deepspeed_reentrant=reentrant))
+            spec = spec_for(c, reentrant)
+            plan = build_plan(spec, LAYERS)
             apply_plan(module, plan)
             row[f"{name}_offload_impl"] = plan.offload_impl if plan.cpu_checkpointing else None
-            configure_deepspeed_ac(c, plan, partition.tp_mpu(plan, 2) if mpu_after_initialize else None)
+            configure_deepspeed_ac(spec, LAYERS, partition.tp_mpu(plan, 2) if mpu_after_initialize else None)
             if name == "on":
                 row["expected_on"] = partition.checkpoint_input_bytes(plan, CONFIG, MBS, SEQ, 4) // 2
         meter = ActivationMeter()
@@ -224,11 +229,11 @@ def check_partition() -> None:
         plain = module(input_ids=ids, labels=ids, output_hidden_states=True)
     c = ds_config(0, 2, {"partition_activations": True})
     for reentrant in (True, False):
-        plan = build_plan("full", "deepspeed", ac_section(c), LAYERS, model_parallel_size=2,
-                          section=ACSection(deepspeed_reentrant=reentrant))
+        spec = spec_for(c, reentrant)
+        plan = build_plan(spec, LAYERS)
         remove_plan(module)
         apply_plan(module, plan)
-        configure_deepspeed_ac(c, plan, partition.tp_mpu(plan, 2))
+        configure_deepspeed_ac(spec, LAYERS, partition.tp_mpu(plan, 2))
         out = module(input_ids=ids, labels=ids, output_hidden_states=True)
         # read before the backward: DeepSpeed's backward gathers the partitions back into the emptied tensors
         shapes = [list(h.shape) for h in out.hidden_states]

@@ -55,7 +55,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     plan = checked.plan
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       plan.checkpoint_calls, hidden_size=model_hidden_size(checked.config)))
-    engine, _, _, _ = build_engine(args.recipe, checked.config, plan, ds_config, args.ds_config)
+    engine, _, _, _ = build_engine(args.recipe, checked.config, plan, ds_config, args.ds_config, checked.spec)
     probe = Zero3Probe(engine.module, list(decoder_layers(engine.module)[1])).__enter__()
     torch.manual_seed(100 + rank)
     grads = {}

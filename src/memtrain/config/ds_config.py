@@ -116,21 +116,18 @@ def deepspeed_top_level_keys() -> frozenset:
     return frozenset(k for k in seen if isinstance(k, str)) | {"sequence_parallel_size"}
 
 
+def tp_size(ds_config: dict) -> int:
+    """`tensor_parallel.autotp_size` (DeepSpeed's AutoTP); 0 and 1 both mean no tensor parallelism."""
+    section = ds_config.get("tensor_parallel")
+    size = section.get("autotp_size", 0) if isinstance(section, dict) else 0
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+
+
 def ac_defaults() -> dict:
     """DeepSpeed's activation_checkpointing keys and their defaults (its own ACT_CHKPT_DEFAULT)."""
     from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
 
     return dict(ACT_CHKPT_DEFAULT)
-
-
-def ac_section(cfg: dict) -> dict:
-    """The JSON's activation_checkpointing section over DeepSpeed's defaults."""
-    out = ac_defaults()
-    section = cfg.get("activation_checkpointing") or {}
-    for key, default in out.items():
-        if key in section:
-            out[key] = bool(section[key]) if isinstance(default, bool) else section[key]
-    return out
 
 
 # --------------------------------------------------------------------------- the "auto" table

@@ -33,6 +33,7 @@ import torch
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP, OP
 from memtrain.recompute.hooks import _pattern, _sublayer, apply_plan, find_sublayer, remove_plan
 from memtrain.config.ds_config import AUTO
+from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.config.zero3 import resident
 from memtrain.memory import tensor_parallel
 from memtrain.memory.tracker import ActivationMeter, StepTracker
@@ -91,22 +92,26 @@ def compute_dtype(ds_config: dict, device: str) -> str:
     return "float32"
 
 
-def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] = None) -> Target:
-    from memtrain.config.ds_config import ac_section
-    from memtrain.recompute.policy import resolve_backend
-    from memtrain.train.parallel import tp_size
-
+def recompute_spec(recipe, ds_config: dict, device: Optional[str] = None) -> RecomputeSpec:
+    """The RecomputeSpec of a run of `recipe` under `ds_config` on `device` (default: this machine's), for a
+    tool that plans without running (make plan, max_seq, an OOM report); a run resolves its own in preflight."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_recompute(ds_config, recipe.activation_checkpointing, device)
+
+
+def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] = None,
+                spec: Optional[RecomputeSpec] = None) -> Target:
+    """The run to predict: `spec` (default: resolved for `device`) says whether checkpointed inputs are
+    partitioned across the tensor-parallel group."""
+    device = device or (spec.device if spec else ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = spec or recompute_spec(recipe, ds_config, device)
     sp = recipe.parallel.sequence
-    tp = tp_size(ds_config)
-    ds_ac = ac_section(ds_config)
-    partition = tp > 1 and ds_ac["partition_activations"] and "activation_checkpointing" in ds_config \
-        and resolve_backend(recipe.activation_checkpointing.backend, ds_ac) == "deepspeed"
+    tp = spec.tp_size
     return Target(device, compute_dtype(ds_config, device), recipe.train.micro_batch_size,
                   max(recipe.data.seq_len // sp, 1), world_size,
                   loss=recipe.train.loss if tp <= 1 else "standard",  # AutoTP: memtrain.train.long_context
                   tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
-                  partition=partition)
+                  partition=spec.partition_activations)
 
 
 # --------------------------------------------------------------------------- model states

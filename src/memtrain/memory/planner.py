@@ -26,7 +26,8 @@ import copy
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from memtrain.recompute.policy import ACPlan, build_plan, json_effects, resolve_backend
+from memtrain.config.recompute_spec import RecomputeSpec
+from memtrain.recompute.policy import ACPlan, build_plan
 from memtrain.errors import UserError
 from memtrain.units import gib
 from memtrain.memory.estimate import (OFFLOAD, ActivationProfile, ModelStates, Prediction, Rates, Target, activation_peak, allocator_margin, choice_mode, layer_footprint, model_states, predict)
@@ -262,48 +263,47 @@ def what_fits(profile: ActivationProfile, ds_config: dict, target: Target, choic
                        "a higher ZeRO stage or optimizer offload alone")
 
 
-def auto_plan(recipe, ds_config: dict, world_size: int, config=None, target: Optional[Target] = None,
-              rates: Optional[Rates] = None) -> tuple[ACPlan, PlanResult]:
+def auto_plan(spec: RecomputeSpec, recipe, ds_config: dict, world_size: int, config=None,
+              target: Optional[Target] = None, rates: Optional[Rates] = None) -> tuple[ACPlan, PlanResult]:
     """`activation_checkpointing.policy: auto`: the ACPlan that fits `memory_budget` with the least
-    predicted step time. Raises UserError (one line) when no plan fits."""
-    from memtrain.config.ds_config import ac_section
+    predicted step time, among the per-layer choices the run's RecomputeSpec allows (its backend, and
+    whether its checkpointed inputs may go to host memory). Raises UserError (one line) when no plan fits."""
     from memtrain.memory.estimate import make_target, measure_rates, model_and_config, profile_activations
 
-    section = recipe.activation_checkpointing
+    section = spec.section
     if section.memory_budget is None:
         raise UserError("activation_checkpointing.memory_budget: policy 'auto' needs a budget in GiB "
                         "(the predicted peak device memory per GPU must fit it)")
     budget = int(section.memory_budget * (1 << 30))
-    target = target or make_target(recipe, ds_config, world_size)
+    target = target or make_target(recipe, ds_config, world_size, spec=spec)
     config = config or model_and_config(recipe)
-    ds_ac, _ = json_effects(ac_section(ds_config), target.device)
-    backend = resolve_backend(section.backend, ds_ac)
     profile = profile_activations(config, target)
     states = model_states(profile, ds_config, target)
     rates = rates or measure_rates(target.dtype)
-    offload = target.device == "cuda" and rates.host_bytes_per_s > 0 and ds_ac["cpu_checkpointing"]
-    choices = available_choices(profile, backend, offload)
+    choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
     result = predicted_plan(profile, states, choices, rates, budget)
     if result is None:
         peak, hint = what_fits(profile, ds_config, target, choices, budget)
         raise UserError(f"activation_checkpointing.memory_budget: nothing fits {section.memory_budget:g} GiB "
                         f"per device: the smallest achievable predicted peak is {peak:.3f} GiB "
                         f"(model states {gib(states.total):.3f} GiB); would fit: {hint}")
-    plan = build_plan("auto", section.backend, ac_section(ds_config), len(result.modes), section=section,
-                      device=target.device, layers=result.modes, offload=result.offload)
-    return plan, result
+    return build_plan(spec, len(result.modes), layers=result.modes, offload=result.offload), result
+
+
+def may_offload(spec: RecomputeSpec, target: Target, rates: Rates) -> bool:
+    """Whether the planner may send a layer's checkpointed input to host memory: the spec's offload takes
+    effect (a GPU run) and this machine measured a host copy rate."""
+    return target.device == "cuda" and rates.host_bytes_per_s > 0 and spec.cpu_checkpointing
 
 
 def suggest_fit(recipe, ds_config: dict, world_size: int, budget_bytes: int) -> str:
     """For an out-of-memory report: the smallest peak memtrain's AC can reach, and what would fit."""
-    from memtrain.config.ds_config import ac_section
-    from memtrain.memory.estimate import make_target, model_and_config, profile_activations
+    from memtrain.memory.estimate import make_target, model_and_config, profile_activations, recompute_spec
 
-    target = make_target(recipe, ds_config, world_size)
+    spec = recompute_spec(recipe, ds_config)
+    target = make_target(recipe, ds_config, world_size, spec=spec)
     profile = profile_activations(model_and_config(recipe), target)
-    backend = resolve_backend(recipe.activation_checkpointing.backend,
-                              json_effects(ac_section(ds_config), target.device)[0])
-    choices = available_choices(profile, backend, offload=False)
+    choices = available_choices(profile, spec.backend, offload=False)
     peak, hint = what_fits(profile, ds_config, target, choices, budget_bytes)
     if peak * (1 << 30) <= budget_bytes:
         return (f"predicted: activation_checkpointing.policy=auto with memory_budget={gib(budget_bytes):.1f} "

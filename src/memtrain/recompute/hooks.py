@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from memtrain.errors import UserError
 from memtrain.memory.tracker import current_activation_meter
+from memtrain.config.recompute_spec import RecomputeSpec
 from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, _SUBLAYERS, ACPlan, op_rules
 from memtrain.recompute.offload import ActivationOffloader
 
@@ -229,22 +230,16 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
     return offloader.wrap(run, plan.backend, offload)
 
 
-def configure_deepspeed_ac(ds_config: dict, plan: ACPlan, mpu=None) -> None:
-    """Make the JSON's activation_checkpointing section take effect (DeepSpeed leaves it inert).
-    DeepSpeed's own CPU_CHECKPOINT runs only when the plan says DeepSpeed offloads; otherwise the
-    JSON's `cpu_checkpointing` is memtrain's (memtrain.recompute.offload) and DeepSpeed must not copy too."""
+def configure_deepspeed_ac(spec: RecomputeSpec, number_checkpoints: Optional[int], mpu=None) -> None:
+    """Make the JSON's activation_checkpointing section take effect (DeepSpeed leaves it inert), with the
+    values the run's RecomputeSpec decided: DeepSpeed's own CPU_CHECKPOINT only when DeepSpeed offloads
+    (otherwise the JSON's `cpu_checkpointing` is memtrain's, memtrain.recompute.offload, and DeepSpeed must
+    not copy too), partitioning only where it takes effect. Given as arguments, not as a config: DeepSpeed
+    would build a whole DeepSpeedConfig from one and check its batch size against the mpu's data-parallel
+    size. `mpu`: deepspeed.utils.groups when the run has a tensor-parallel group (memtrain.recompute.partition)."""
     import deepspeed
 
-    ds_own = plan.cpu_checkpointing and plan.offload_impl == "deepspeed"
-    ds_config = {**ds_config, "activation_checkpointing": {**ds_config.get("activation_checkpointing", {}),
-                                                           "cpu_checkpointing": ds_own,
-                                                           "partition_activations": plan.partition_activations}}
-    # mpu: deepspeed.utils.groups when the run has a tensor-parallel group (memtrain.recompute.partition).
-    # DeepSpeed builds a whole DeepSpeedConfig from it and checks train_batch_size against the mpu's
-    # data-parallel size, while the engine checked it against the world: configure reads only the
-    # activation_checkpointing section, so leave the derived batch size out.
-    ds_config.pop("train_batch_size", None)
-    deepspeed.checkpointing.configure(mpu, deepspeed_config=ds_config)
+    deepspeed.checkpointing.configure(mpu, **spec.deepspeed_kwargs(number_checkpoints))
 
 
 # --------------------------------------------------------------------------- installing a plan

@@ -367,7 +367,7 @@ class ActivationOffloader:
 
         if ds_checkpointing.CPU_CHECKPOINT:
             raise RuntimeError("memtrain offload: DeepSpeed's own CPU_CHECKPOINT is on as well; configure "
-                               "DeepSpeed with memtrain.recompute.configure_deepspeed_ac(ds_config, plan)")
+                               "DeepSpeed with memtrain.recompute.hooks.configure_deepspeed_ac(spec, number_checkpoints)")
         args = tuple(_Alias.apply(a) if self._is_device_tensor(a) else a for a in args)
         out = checkpoint_fn(function, *args, **kwargs)
         restore = []

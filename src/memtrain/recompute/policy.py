@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
 
-from memtrain.config.recipe import DEFAULT_OP_SAVE
+from memtrain.config.recipe import DEFAULT_OP_SAVE, ACSection
+from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.errors import UserError
 from memtrain.recompute.offload import PREFETCH_DEPTH, offload_flags, offload_units
 
@@ -255,127 +256,56 @@ def sqrt_segments(layers: tuple[str, ...], segment_len: Optional[int] = None) ->
     return tuple((s, min(s + k, n)) for s in range(0, n, k) if min(s + k, n) - s >= 2)
 
 
-def json_effects(ds_ac: dict, device: str, model_parallel_size: int = 1) -> tuple[dict, tuple[str, ...]]:
-    """What the JSON's `partition_activations` and `cpu_checkpointing` do on this run: the section with
-    each key as it takes effect, and one plan line per key that was asked for but has nothing to do.
-
-    `partition_activations` shards checkpointed inputs across the model-parallel (tensor-parallel)
-    group, so it needs one; `cpu_checkpointing` moves them from the accelerator to host memory, so on
-    a CPU run, whose activations already live in host memory, it would copy host to host for nothing.
-    """
-    effective, notes = dict(ds_ac), []
-    if ds_ac["partition_activations"] and model_parallel_size <= 1:
-        effective["partition_activations"] = False
-        notes.append("partition_activations: nothing to shard: no tensor-parallel group "
-                     "(tensor_parallel.autotp_size is 1) to split checkpointed inputs across")
-    if ds_ac["cpu_checkpointing"] and device != "cuda":
-        effective["cpu_checkpointing"] = False
-        notes.append(f"cpu_checkpointing: a {device.upper()} run's activations are already in host memory: "
-                     "no copies, no cost")
-    return effective, tuple(notes)
-
-
-def resolve_backend(requested: str, ds_ac: dict) -> str:
-    """DeepSpeed's checkpoint when its JSON features take effect (`json_effects`), torch's otherwise."""
-    if requested != "auto":
-        return requested
-    return "deepspeed" if ds_ac["partition_activations"] or ds_ac["cpu_checkpointing"] else "torch"
-
-
-def with_zero3_hooks_inside(plan: ACPlan, requested_backend: str) -> ACPlan:
-    """The plan for a ZeRO-3 run whose recomputed units contain ZeRO-3 module hooks (no leaf layers:
-    memtrain.config.zero3). torch's non-reentrant checkpoint stops a recompute once the backward has
-    what it needs, skipping those hooks' post-forward halves, so DeepSpeed's module stack grows every
-    step; run to its end, the recompute would release parameters the backward still needs. DeepSpeed's
-    reentrant checkpoint backpropagates through the recomputed graph, whose hooks pair up: backend auto
-    takes it. Op-level plans and a forced torch backend keep torch's, with a warning."""
-    if plan.backend != "torch" or not (plan.num_recomputed or plan.modules):
-        return plan
-    why = "ZeRO-3 hooks run inside each recompute (no leaf layers)"
-    if requested_backend == "auto" and OP not in plan.layers:
-        return replace(plan, backend="deepspeed", deepspeed_reentrant=True,
-                       notes=plan.notes + (f"backend: DeepSpeed's reentrant checkpoint: {why}, and torch's "
-                                           "checkpoint would leave their module stack unbalanced",))
-    return replace(plan, warnings=plan.warnings + (
-        f"torch's checkpoint with {why}: each step leaves DeepSpeed's FWD_MODULE_STACK 2 entries per recomputed "
-        "layer longer; use backend deepspeed or let memtrain make the layers ZeRO-3 leaf modules",))
-
-
-def effective_policy(section, ds_config: dict) -> str:
-    """The JSON switches AC on (its activation_checkpointing section); the recipe says where."""
-    if "activation_checkpointing" in ds_config:
-        return section.policy
-    if "policy" in section.model_fields_set and section.policy != "none":
-        raise UserError(f"activation_checkpointing.policy: '{section.policy}' needs an activation_checkpointing "
-                        "section in the DeepSpeed JSON, which has none (use e.g. ds_configs/zero3_ckpt.json)")
-    return "none"
-
-
-def build_plan(policy: str, backend: str, ds_ac: dict, num_layers: int, model_parallel_size: int = 1,
-               section=None, device: str = "cuda", layers: Optional[tuple[str, ...]] = None,
+def build_plan(spec: RecomputeSpec, num_layers: int, layers: Optional[tuple[str, ...]] = None,
                offload: Optional[tuple[bool, ...]] = None) -> ACPlan:
-    """The plan for a policy string; `section` (the recipe's ACSection) supplies segment_len,
-    modules and op_save (defaults without it). `device` is the run's ("cuda" or "cpu") and
-    `model_parallel_size` its tensor-parallel size: they decide which JSON keys take effect
-    (`json_effects`). Policy 'auto' passes the planner's per-layer `layers` and `offload`."""
-    ds_ac, notes = json_effects(ds_ac, device, model_parallel_size)
+    """The per-layer plan of a run's RecomputeSpec (memtrain.config.recompute_spec, which decided the backend,
+    what the JSON's keys do and who offloads): the policy's mode for each of `num_layers` layers, its sqrt
+    segments, modules and op save list. Policy 'auto' passes the planner's per-layer `layers` and `offload`."""
+    policy, section = spec.policy, spec.section
     layers, is_sqrt = (tuple(layers), False) if layers is not None else _parse(policy, num_layers)
-    requested, backend = backend, resolve_backend(backend, ds_ac)
-    segment_len = getattr(section, "segment_len", None)
-    modules = tuple(getattr(section, "modules", ()) or ())
-    op_save = tuple(getattr(section, "op_save", DEFAULT_OP_SAVE))
     base = policy.strip().partition("+")[0]
-    warnings = []
-    if backend == "torch" and ds_ac["partition_activations"]:
-        warnings.append("backend 'torch' ignores the JSON's partition_activations")
-    offload_impl = getattr(section, "cpu_checkpointing_impl", "memtrain")
-    if ds_ac["partition_activations"] and model_parallel_size > 1 and backend == "deepspeed" \
-            and ds_ac["cpu_checkpointing"] and offload_impl == "memtrain":
-        # memtrain's offload moves whole inputs; with real partitioning DeepSpeed moves each rank's shard
-        offload_impl = "deepspeed"
-    if ds_ac["cpu_checkpointing"] and offload_impl == "deepspeed" and backend != "deepspeed":
-        raise UserError("activation_checkpointing.cpu_checkpointing_impl: 'deepspeed' offloads inside DeepSpeed's "
-                        "checkpoint only; set activation_checkpointing.backend: deepspeed (or auto)")
-    if OP in layers and backend == "deepspeed":
-        why = ("activation_checkpointing.backend is 'deepspeed'" if requested == "deepspeed" else
-               "the DeepSpeed JSON asks for partition_activations/cpu_checkpointing, which selects DeepSpeed's "
-               "reentrant checkpoint under backend 'auto'")
-        raise UserError(f"activation_checkpointing.policy: '{policy}' (op-level) needs torch's non-reentrant "
-                        f"checkpoint, but {why}; set activation_checkpointing.backend: torch or choose another policy")
+    modules = tuple(section.modules) if base == "modules" else ()
     if base == "modules":
         if not modules:
             raise UserError("activation_checkpointing.modules: policy 'modules' needs a list of module-path "
                             "patterns, e.g. [model.layers.*.mlp]")
         if any(not p.strip() for p in modules):
             raise UserError("activation_checkpointing.modules: empty pattern")
-    elif modules:
-        warnings.append(f"activation_checkpointing.modules is ignored by policy '{policy}' (used by 'modules')")
-        modules = ()
-    if segment_len and not is_sqrt:
-        warnings.append(f"activation_checkpointing.segment_len is ignored by policy '{policy}' (used by 'sqrt')")
+    op_save = tuple(section.op_save)
     if OP in layers:
         op_rules(op_save)  # validate early: a bad entry fails before any distributed work
-    segments = sqrt_segments(layers, segment_len) if is_sqrt else ()
-    skip_last = getattr(section, "offload_skip_last", 1)
+    segments = sqrt_segments(layers, section.segment_len) if is_sqrt else ()
+    skip_last = section.offload_skip_last
     return ACPlan(
         policy=policy,
         layers=layers,
-        backend=backend,
+        backend=spec.backend,
         segments=segments,
         modules=modules,
         op_save=op_save,
-        cpu_checkpointing=ds_ac["cpu_checkpointing"],
-        partition_activations=ds_ac["partition_activations"] and backend == "deepspeed",
-        warnings=tuple(warnings),
-        notes=notes,
-        offload=tuple(offload) if offload is not None and ds_ac["cpu_checkpointing"] else
-        offload_flags([m != KEEP for m in layers], ds_ac["cpu_checkpointing"], skip_last,
-                      every=offload_impl == "deepspeed", segments=segments),
-        offload_impl=offload_impl,
+        cpu_checkpointing=spec.cpu_checkpointing,
+        partition_activations=spec.partition_activations,
+        warnings=spec.warnings,
+        notes=spec.notes,
+        offload=tuple(offload) if offload is not None and spec.cpu_checkpointing else
+        offload_flags([m != KEEP for m in layers], spec.cpu_checkpointing, skip_last,
+                      every=spec.offload_impl == "deepspeed", segments=segments),
+        offload_impl=spec.offload_impl,
         offload_skip_last=skip_last,
-        tp_size=model_parallel_size,
-        deepspeed_reentrant=getattr(section, "deepspeed_reentrant", True),
+        tp_size=spec.tp_size,
+        deepspeed_reentrant=section.deepspeed_reentrant,
     )
+
+
+def plan_for(policy: str, num_layers: int, section: Optional[ACSection] = None, ds_config: Optional[dict] = None,
+             device: str = "cuda", tp_size: Optional[int] = None, **keys) -> ACPlan:
+    """A plan outside a run (tools that compare policies, tests): `policy` with the recipe section `section`
+    (default: the recipe's defaults) updated by `keys`, under the JSON `ds_config` (default: an
+    activation_checkpointing section of DeepSpeed's defaults), resolved by the one RecomputeSpec."""
+    section = (section or ACSection()).model_copy(update={"policy": policy, **keys})
+    spec = resolve_recompute({"activation_checkpointing": {}} if ds_config is None else ds_config, section, device,
+                             tp_size)
+    return build_plan(spec, num_layers)
 
 
 # --------------------------------------------------------------------------- op-level (selective) recompute

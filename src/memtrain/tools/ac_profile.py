@@ -33,9 +33,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, build_plan
+from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, plan_for
 from memtrain.recompute.hooks import apply_plan, observe_recompute
-from memtrain.config.ds_config import ac_section
 from memtrain.model.flops import flop_counter
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.memory.tracker import ActivationMeter, StepTracker
@@ -107,7 +106,7 @@ def _plans(policies: Optional[list[str]], section, num_layers: int) -> list[ACPl
     if policies is None:
         specs += [("op", section.model_copy(update={"op_save": ["matmul/2", "attention"]})),
                   (f"op+first:{half}", section)]
-    plans = [build_plan(p, "torch", ac_section({}), num_layers, section=s) for p, s in specs if p]
+    plans = [plan_for(p, num_layers, s, backend="torch") for p, s in specs if p]
     return list({label(p): p for p in plans}.values())  # each once
 
 

@@ -11,9 +11,10 @@ from typing import Any, Optional
 import torch
 
 from memtrain.config.args import parse_args
-from memtrain.config.ds_config import (AUTO, AUTO_BY_KEY, MONITOR_KEYS, ac_section, deepspeed_top_level_keys, get,
+from memtrain.config.ds_config import (AUTO, AUTO_BY_KEY, MONITOR_KEYS, deepspeed_top_level_keys, get,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config,
                                        zero_stage)
+from memtrain.config.recompute_spec import RecomputeSpec
 from memtrain.errors import UserError, cli_entry
 
 
@@ -25,7 +26,7 @@ def _leaves(cfg: Any, prefix: str = ""):
         yield prefix, cfg
 
 
-def _noop(key: str, raw: dict, resolved: dict, backend: Optional[str]) -> Optional[str]:
+def _noop(key: str, raw: dict, resolved: dict, spec: Optional[RecomputeSpec]) -> Optional[str]:
     """Why a key does nothing in this run, or None. Kept by hand: DeepSpeed does not say."""
     top, _, rest = key.partition(".")
     if top not in deepspeed_top_level_keys():
@@ -42,17 +43,15 @@ def _noop(key: str, raw: dict, resolved: dict, backend: Optional[str]) -> Option
             return "ZeRO-3 only"
         if rest.endswith("pin_memory") and not torch.cuda.is_available():
             return "no device here: nothing to pin for"
-    if top == "activation_checkpointing":
-        ac = ac_section(resolved)
+    if top == "activation_checkpointing" and spec is not None:  # as the run's RecomputeSpec decided
         value = get(raw, key)
-        if rest == "partition_activations" and value is True:
-            return "shards checkpoints across a model-parallel group; memtrain runs none (size 1)"
-        if rest == "cpu_checkpointing" and value is True and not torch.cuda.is_available():
-            return "a CPU run: activations already live in host memory"
+        notes = {n.partition(": ")[0]: n.partition(": ")[2] for n in spec.notes}
+        if rest in notes and value is True:
+            return notes[rest]
         if rest in ("profile", "synchronize_checkpoint_boundary", "contiguous_memory_optimization") and value is True \
-                and backend == "torch":
+                and spec.backend == "torch":
             return "ignored by the torch backend (recipe activation_checkpointing.backend: deepspeed honours it)"
-        if rest == "number_checkpoints" and not ac["contiguous_memory_optimization"]:
+        if rest == "number_checkpoints" and not spec.contiguous_memory_optimization:
             return "read only by contiguous_memory_optimization, which is off"
     if key == "steps_per_print":
         return "DeepSpeed's own print is off; memtrain logs every train.log_every steps (this value when unset)"
@@ -72,7 +71,7 @@ def explain(argv: list[str], world_size: int) -> list[str]:
     hidden = model_hidden_size(checked.config) if checked else None
     calls = len(checked.plan.offload_units) if checked else 0
     resolved = resolve_ds_config(raw, args.recipe, world_size, Path("<run dir>"), calls, hidden_size=hidden)
-    backend = checked.plan.backend if checked else None
+    spec = checked.spec if checked else None
     from memtrain.train import ds_checks
 
     problems = [error] if error else []
@@ -96,12 +95,7 @@ def explain(argv: list[str], world_size: int) -> list[str]:
         elif value == AUTO and key not in MONITOR_KEYS:
             lines.append(f"{key} = \"auto\": rejected: memtrain cannot fill it")
         else:
-            # the AC plan's own notes on JSON keys that do nothing here (where the plan has them)
-            notes = {n.partition(": ")[0]: n.partition(": ")[2] for n in getattr(getattr(checked, "plan", None),
-                                                                              "notes", ())}
-            ac_key = key.partition("activation_checkpointing.")[2]
-            why = notes.get(ac_key) if ac_key and get(raw, key) is True else None
-            why = why or _noop(key, raw, resolved, backend)
+            why = _noop(key, raw, resolved, spec)
             lines.append(f"{key} = {shown}: " + (f"no-op here: {why}" if why else "in effect")
                          + (f" ({overrides[key]})" if key in overrides and not why else ""))
     added = sorted(k for k, _ in _leaves(resolved) if get(raw, k, None) is None and k.split(".")[0] != "tensorboard")

@@ -14,11 +14,11 @@ import sys
 from dataclasses import asdict, replace
 from typing import Optional
 
-from memtrain.recompute.policy import build_plan, json_effects, resolve_backend
+from memtrain.recompute.policy import build_plan
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.units import GIB, parse_size
-from memtrain.memory.estimate import (MODULES, OFFLOAD, ActivationProfile, choice_mode, make_target, measure_rates, model_and_config, model_states, predict, predict_plan, profile_activations)
-from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, predicted_plan, smallest_peak, what_fits)
+from memtrain.memory.estimate import (MODULES, OFFLOAD, ActivationProfile, choice_mode, make_target, measure_rates, model_and_config, model_states, predict, predict_plan, profile_activations, recompute_spec)
+from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, may_offload, predicted_plan, smallest_peak, what_fits)
 
 POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
              "full" + OFFLOAD: "full + cpu_checkpointing"}
@@ -61,17 +61,15 @@ def _largest(ok, lo: int, hi: int) -> int:
 
 
 def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str], budget: Optional[int]) -> dict:
-    from memtrain.config.ds_config import ac_section, zero_stage
+    from memtrain.config.ds_config import zero_stage
 
-    target = make_target(recipe, ds_config, world_size, device)
+    spec = recompute_spec(recipe, ds_config, device)
+    target = make_target(recipe, ds_config, world_size, spec=spec)
     config = model_and_config(recipe)
     profile = profile_activations(config, target)
     states = model_states(profile, ds_config, target)
     rates = measure_rates(target.dtype)
-    ds_ac, _ = json_effects(ac_section(ds_config), target.device)
-    backend = resolve_backend(recipe.activation_checkpointing.backend, ds_ac)
-    offload = target.device == "cuda" and rates.host_bytes_per_s > 0 and ds_ac["cpu_checkpointing"]  # as auto_plan
-    choices = available_choices(profile, backend, offload)
+    choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
     report = {
         "recipe": recipe.name, "model_type": config.model_type, "num_layers": profile.num_layers,
         "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": asdict(target),
@@ -88,7 +86,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
         half = replace(target, seq_len=max(1, target.seq_len // 2))
         long_profile = (profile_activations(config, half), profile)
     max_pos = getattr(config, "max_position_embeddings", None) or 1 << 20
-    extra_rows = _extra_rows(recipe, ds_config, config, target, backend, profile.num_layers)
+    extra_rows = _extra_rows(spec, profile.num_layers)
     for choice in (*choices, *extra_rows, "auto"):
         segments, notes = (), ()
         if choice in extra_rows:
@@ -139,18 +137,20 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
     return report
 
 
-def _extra_rows(recipe, ds_config: dict, config, target, backend: str, num_layers: int) -> dict:
+def _extra_rows(spec, num_layers: int) -> dict:
     """Rows beside the uniform per-layer modes: sqrt segments, and the recipe's own policy where
-    it is none of the rows (modules patterns, every:K, first:N, ...)."""
-    from memtrain.config.ds_config import ac_section
+    it is none of the rows (modules patterns, every:K, first:N, ...), each under the run's spec."""
+    from dataclasses import replace as with_
 
-    section = recipe.activation_checkpointing
-    ds_ac = {**ac_section(ds_config), "partition_activations": False}
-    rows = {"sqrt": build_plan("sqrt", backend, ds_ac, num_layers, section=None, device=target.device)}
-    policy = section.policy
+    from memtrain.config.recipe import ACSection
+
+    # sqrt with the default segment length, whatever the recipe's own policy keys say
+    rows = {"sqrt": build_plan(with_(spec, policy="sqrt", partition_activations=False,
+                                     section=ACSection(policy="sqrt")), num_layers)}
+    policy = spec.policy
     if policy not in ("auto", "none", "full", "sqrt", "op", "selective:attn", "selective:mlp"):
         try:
-            rows[policy] = build_plan(policy, backend, ds_ac, num_layers, section=section, device=target.device)
+            rows[policy] = build_plan(spec, num_layers)
         except UserError:  # the run's own check says why; the table goes on without it
             pass
     return rows

@@ -10,13 +10,6 @@ from typing import Any
 from memtrain.errors import UserError
 
 
-def tp_size(ds_config: dict) -> int:
-    """`tensor_parallel.autotp_size` (DeepSpeed's AutoTP); 0 and 1 both mean no tensor parallelism."""
-    section = ds_config.get("tensor_parallel")
-    size = section.get("autotp_size", 0) if isinstance(section, dict) else 0
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
-
-
 def check_tensor_parallel(ds_config: dict, source: str, config, world_size: int) -> None:
     """`tensor_parallel` against DeepSpeed's own schema, the world size and the model's heads: one line each."""
     if "tensor_parallel" not in ds_config:

@@ -24,10 +24,11 @@ from memtrain.train import checkpoint, long_context
 from memtrain.train import run_dir as run_dirs
 from memtrain.train.resume_check import check_resume, check_shapes
 from memtrain.model.data_check import check_data_files, check_seq_len
-from memtrain.recompute.policy import ACPlan, build_plan, effective_policy, with_zero3_hooks_inside
+from memtrain.recompute.policy import ACPlan, build_plan
+from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
-from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, ac_section, deepspeed_top_level_keys,
+from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log
 from memtrain.errors import ArgumentParser, UserError, cli_entry
@@ -36,7 +37,8 @@ from memtrain.config.zero3 import Zero3Layout, zero3_layout
 from memtrain.recompute.hooks import apply_plan
 from memtrain.config.recipe import DataSection
 from memtrain.recompute.partition import with_expected_bytes
-from memtrain.train.parallel import check_tensor_parallel, tp_size
+from memtrain.train.parallel import check_tensor_parallel
+from memtrain.config.ds_config import tp_size
 
 SECTIONS = ("zero_optimization", "activation_checkpointing", "optimizer", "scheduler", "bf16", "fp16",
             "tensorboard", "csv_monitor", "wandb", "comet")
@@ -54,6 +56,7 @@ class Checked:
     warnings: tuple[str, ...]
     memory_plan: Any = None  # policy auto: memtrain.memory.planner.PlanResult (prediction and choice)
     zero3: Zero3Layout = Zero3Layout()  # leaf layers and residency under ZeRO-3 (memtrain.config.zero3)
+    spec: RecomputeSpec = RecomputeSpec()  # the activation-checkpointing decision (memtrain.config.recompute_spec)
 
 
 def _get(cfg: dict, dotted: str) -> tuple[bool, Any]:
@@ -327,16 +330,20 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         tokenizer = build_tokenizer(recipe.data.tokenizer)
         config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
         model = build_on_meta(recipe.model, config)  # transformers' own checks of the config values
-        ds_ac = ac_section(args.ds_config)
-        policy, memory_plan = effective_policy(recipe.activation_checkpointing, args.ds_config), None
-        if policy == "auto":  # per-layer plan that fits activation_checkpointing.memory_budget
+        section = recipe.activation_checkpointing
+        # ZeRO-3's layout first: where its hooks stay inside a recomputed unit, the spec's backend differs
+        zero3 = zero3_layout(args.ds_config, type(decoder_layers(model)[1][0]),
+                             max(p.numel() for p in model.parameters()), world_size // tp_size(args.ds_config),
+                             segments=section.policy.partition("+")[0] == "sqrt")
+        spec = resolve_recompute(args.ds_config, section, run_device(), tp_size(args.ds_config),
+                                 zero3_hooks_inside=zero_stage(args.ds_config) == 3 and not zero3.leaf_layers)
+        memory_plan = None
+        if spec.policy == "auto":  # per-layer plan that fits activation_checkpointing.memory_budget
             from memtrain.memory.planner import auto_plan
 
-            plan, memory_plan = auto_plan(recipe, args.ds_config, world_size, config)
+            plan, memory_plan = auto_plan(spec, recipe, args.ds_config, world_size, config)
         else:
-            plan = build_plan(policy, recipe.activation_checkpointing.backend, ds_ac, config.num_hidden_layers,
-                              model_parallel_size=tp_size(args.ds_config),
-                              section=recipe.activation_checkpointing, device=run_device())  # also rejects op-level under reentrant
+            plan = build_plan(spec, config.num_hidden_layers)
         check_plan_applies(model, plan)
         long_context.check(recipe, args.ds_config, config, world_size)
     except UserError as e:
@@ -352,11 +359,6 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     if needs_model and hidden is None:
         raise UserError(f"{source}: {needs_model[0]}: \"auto\" is sized by the model's hidden_size, which its "
                         "config does not have; write a number")
-    zero3 = zero3_layout(args.ds_config, type(decoder_layers(model)[1][0]),
-                         max(p.numel() for p in model.parameters()), world_size // tp_size(args.ds_config),
-                         segments=bool(plan.segments))
-    if zero_stage(args.ds_config) == 3 and not zero3.leaf_layers:
-        plan = with_zero3_hooks_inside(plan, recipe.activation_checkpointing.backend)
     resolved = zero3.apply(resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), plan.checkpoint_calls,
                                              hidden_size=hidden))
     deepspeed_accepts(args.ds_config, resolved, source, recipe)
@@ -364,13 +366,12 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     warnings += _recipe_overrides(args.ds_config, source, recipe, world_size)
     warnings += [w for w in (ds_checks.build_notice(resolved),) if w]
     warnings += ds_checks.clear_stale_build_locks()
-    if plan.backend == "torch":
-        warnings += [f"{source}: activation_checkpointing.{key}: true is ignored by the torch backend (DeepSpeed's "
-                     "checkpoint honours it: set activation_checkpointing.backend: deepspeed in the recipe)"
-                     for key in ("profile", "synchronize_checkpoint_boundary") if ds_ac.get(key)]
+    warnings += [f"{source}: activation_checkpointing.{key}: true is ignored by the torch backend (DeepSpeed's "
+                 "checkpoint honours it: set activation_checkpointing.backend: deepspeed in the recipe)"
+                 for key in spec.ignored_by_torch]
     if memory_plan is None and recipe.activation_checkpointing.memory_budget is not None:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")
-    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3)
+    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -21,7 +21,7 @@ from memtrain.train import run_dir as run_dirs
 from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
 from memtrain.model.data import RandomTokens, prepare_data, to_device
-from memtrain.config.ds_config import AUTO, model_hidden_size, resolve_ds_config, zero_stage
+from memtrain.config.ds_config import AUTO, model_hidden_size, resolve_ds_config, tp_size, zero_stage
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
 from memtrain.train.optimizer import engine_arguments, own_sections
@@ -226,7 +226,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     ds_log.to_file(run_dir, rank)
 
     # --- model, AC hooks, engine
-    engine, longctx, layout, number_changed = build_engine(recipe, config, plan, ds_config, args.ds_config)
+    engine, longctx, layout, number_changed = build_engine(recipe, config, plan, ds_config, args.ds_config, checked.spec)
     if rank == 0:
         print("\n".join(longctx.lines), flush=True)
         if number_changed:  # number_checkpoints "auto": the modules matched are known now
@@ -453,7 +453,7 @@ def _start_probe(engine):
     return Zero3Probe(engine.module, list(decoder_layers(engine.module)[1])).__enter__()
 
 
-def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict):
+def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spec):
     """The model (built partitioned under ZeRO-3, with transformers' own initialisation), the AC plan's
     hooks and the DeepSpeed engine: (engine, long-context set-up, data layout, whether the JSON's "auto"
     number_checkpoints changed now that the plan met the model; `ds_config` then holds the new value)."""
@@ -466,7 +466,7 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict):
     else:
         model = build_model(recipe.model, config)
     # tiled MLP, sequence parallel, loss
-    longctx = long_context.prepare(model, recipe, stage, parallel.tp_size(ds_config))
+    longctx = long_context.prepare(model, recipe, stage, tp_size(ds_config))
     apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
     changed = False
     ac_json = raw_ds_config.get("activation_checkpointing")
@@ -480,7 +480,8 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict):
     layout = parallel.layout(engine, longctx.sp)  # which batch this rank reads; tokens counted once
     parallel.check_sharded(engine.module, layout.tp)
     if plan.backend == "deepspeed":  # after initialize, which creates the tensor-parallel group
-        configure_deepspeed_ac(ds_config, plan, partition.tp_mpu(plan, layout.tp))
+        configure_deepspeed_ac(spec, ds_config.get("activation_checkpointing", {}).get("number_checkpoints"),
+                               partition.tp_mpu(plan, layout.tp))
         partition.check_configured(plan, layout.tp)
     return engine, longctx, layout, changed
 

@@ -1,6 +1,6 @@
 """`make bench-host`: memtrain's host work per step beside plain PyTorch, on one CPU core, in one run -> reports/host_overhead.md.
 
-    python -m memtrain.tools.bench.host [--setups a,b,...] [--steps N] [--cores N] [--out DIR]
+    python -m memtrain.tools.bench.host [--setups a,b,...] [--steps N] [--repeats N] [--cores N] [--out DIR]
 
 Each set-up runs in its own process pinned to `--cores` cores (default 1), on the embedded tiny
 recipe (4 layers, hidden 128, seq 128), random tokens: shapes so small that kernels cost little and
@@ -15,6 +15,10 @@ holds a second OpenMP team; with more OpenMP threads than cores libgomp stops sp
 parallel regions, and every 2-thread elementwise op of that process costs about 8x as much
 (measured: 9 us -> 75 us for a 128k-element multiply). That is a property of gloo on a CPU, not of
 memtrain or of a GPU run, so the benchmark keeps every set-up to one thread.
+
+A shared machine drifts by about 10% between runs a minute apart, as much as the gaps measured. So
+every set-up runs `--repeats` times (default 3) in interleaved rounds (each round runs every set-up
+once), and the table shows, per set-up, the run with the median tokens/s and the range over rounds.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ DS_CONFIG = "ds_configs/zero3_ckpt_no_offload.json"
 SETUPS = ("torch:noac", "torch:hf-ac", "torch:sac",
           "memtrain:none-leaf-resident", "memtrain:full-leaf-resident", "memtrain:op-leaf-resident",
           "memtrain:none", "memtrain:full", "memtrain:full@deepspeed", "memtrain:op")
-COLUMNS = ("set-up", "what", "tokens/s", "x torch:noac", "x torch:hf-ac", "fetches/step (fwd / recompute / bwd)",
+COLUMNS = ("set-up", "what", "tokens/s", "range", "x torch:noac", "x torch:hf-ac", "fetches/step (fwd / recompute / bwd)",
            "all-gathers/step", "aten ops/step", "CPU ms/step")
 
 
@@ -53,7 +57,9 @@ def markdown(results: list[dict]) -> str:
             continue
         probe = r.get("probe") or {}
         f = probe.get("fetches")
-        cells = [r["setup"], r["label"], f"{r['tokens_per_s']:,.0f}", _ratio(r, by.get("torch:noac")),
+        runs = r.get("tokens_per_s_runs") or [r["tokens_per_s"]]
+        cells = [r["setup"], r["label"], f"{r['tokens_per_s']:,.0f}", f"{min(runs):,.0f}-{max(runs):,.0f}",
+                 _ratio(r, by.get("torch:noac")),
                  _ratio(r, by.get("torch:hf-ac")),
                  f"{f['forward']} / {f['recompute']} / {f['backward']}" if f else "n/a (no ZeRO-3)",
                  str(probe["all_gathers"]) if "all_gathers" in probe else "n/a",
@@ -132,7 +138,17 @@ def _versions() -> str:
     return ", ".join(f"{p} {version(p)}" for p in ("torch", "deepspeed", "transformers"))
 
 
-def run(names: list[str], steps: int, warmup: int, cores: int, out: Path) -> list[dict]:
+def median_runs(runs: list[dict]) -> dict:
+    """One set-up's record over its rounds: the run with the median tokens/s (the lower middle one of an
+    even count), with every round's tokens/s beside it; a set-up that failed in any round shows that failure."""
+    failed = [r for r in runs if "tokens_per_s" not in r]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
+
+
+def run(names: list[str], steps: int, warmup: int, cores: int, out: Path, repeats: int = 3) -> list[dict]:
     from tqdm import tqdm
 
     available = sorted(os.sched_getaffinity(0))
@@ -140,17 +156,19 @@ def run(names: list[str], steps: int, warmup: int, cores: int, out: Path) -> lis
         raise UserError(f"--cores: between 1 and the {len(available)} cores this process may use, got {cores}")
     runner = Runner(None, [], str(ROOT / DS_CONFIG), steps, warmup, 1, cpus=set(available[:cores]))
     runner.env["CUDA_VISIBLE_DEVICES"] = ""  # a host benchmark: CPU processes on a GPU machine too
-    results = []
-    bar = tqdm(names, desc="bench-host", unit="setup")
-    for name in bar:
-        bar.set_postfix(setup=name)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    bar = tqdm([(i, name) for i in range(repeats) for name in names], desc="bench-host", unit="run")
+    for i, name in bar:
+        bar.set_postfix(round=i + 1, setup=name)
         extra = ("train.probe=true",) if parse_setup(name).trainer else ()
-        results.append(runner(name, extra=extra))
+        runs[name].append(runner(name, extra=extra))
     shutil.rmtree(runner.tmp, ignore_errors=True)
+    results = [median_runs(runs[name]) for name in names]
     title = (f"memtrain bench-host: embedded tiny recipe, 1 rank, {cores} core(s) of {_machine()}; "
-             f"{date.today()}; {_versions()}")
+             f"median of {repeats} interleaved round(s); {date.today()}; {_versions()}")
     report = "\n".join([f"## {title}", "", markdown(results), "", "Targets (CPU, this run):", *targets(results), "",
-                        "tokens/s: median over log intervals after warm-up (trainer), or the timed steps (plain); "
+                        "tokens/s: median over log intervals after warm-up (trainer), or the timed steps (plain), "
+                        "then the median run over the rounds (range: every round's); "
                         "fetches and all-gathers: per step, steady state (memtrain.train.zero3_probe); aten ops: "
                         "one step under a dispatch-mode counter; CPU ms: process CPU time per step."])
     out.mkdir(parents=True, exist_ok=True)
@@ -166,6 +184,8 @@ def parser():
     p = ArgumentParser(prog="python -m memtrain.tools.bench.host", description=__doc__.splitlines()[0])
     p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated set-ups (as make bench names them)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per set-up after 5 warm-up steps (default 30)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved rounds; each set-up's median run is shown (default 3)")
     p.add_argument("--cores", type=int, default=1, help="cores each set-up's process is pinned to (default 1)")
     p.add_argument("--out", type=Path, default=Path("reports"), help="where host_overhead.{md,json,png} go")
     return p
@@ -180,7 +200,9 @@ def main(argv=None) -> None:
             raise UserError(f"--setups: {name} runs on a GPU only")
     if args.steps < 1:
         raise UserError("--steps: must be at least 1")
-    run(names, args.steps, 5, args.cores, args.out)
+    if args.repeats < 1:
+        raise UserError("--repeats: must be at least 1")
+    run(names, args.steps, 5, args.cores, args.out, args.repeats)
 
 
 if __name__ == "__main__":

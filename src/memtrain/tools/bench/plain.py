@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from memtrain.recompute.policy import build_plan
+from memtrain.recompute.policy import plan_for
 from memtrain.recompute.hooks import apply_plan
 from memtrain.model.data import RandomTokens, build_tokenizer, to_device
-from memtrain.config.ds_config import ac_section
 from memtrain.errors import ArgumentParser, cli_entry
 from memtrain.train.faults import is_oom
 from memtrain.units import GIB
@@ -44,9 +43,8 @@ def run(setup: Setup, recipe, steps: int, warmup: int) -> dict:
     if setup.ac == "hf-ac":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif setup.ac == "sac":
-        apply_plan(model, build_plan("op", "torch", ac_section({}), config.num_hidden_layers,
-                                     section=recipe.activation_checkpointing.model_copy(
-                                         update={"op_save": ["matmul", "attention"]})))
+        apply_plan(model, plan_for("op", config.num_hidden_layers, recipe.activation_checkpointing, backend="torch",
+                                   op_save=["matmul", "attention"]))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr, fused=cuda)
     bf16 = cuda and torch.cuda.is_bf16_supported()
