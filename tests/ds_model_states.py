@@ -3,7 +3,8 @@ model-state term measured from the engine's own tensors, beside memtrain's model
 
 Run by `deepspeed --num_gpus 2 tests/ds_model_states.py OUT_DIR CASE...` (CPU gloo ranks); CASE is
 "<stage>", "<stage>+opt" (offload_optimizer to the CPU), "3+opt+param" (and offload_param) or
-"<stage>+nooverlap" (overlap_comm off; the JSON has it on).
+"<stage>+nooverlap" (overlap_comm off; the JSON has it on) or "<stage>+frozen" (the recipe's train.frozen
+takes the embedding and every attention block out of training, as the trainer does: memtrain.model.freeze).
 Each rank writes OUT_DIR/rank<r>.json: per case, the measured bytes of every term and the
 prediction. Terms are counted by tensor storage (views and aliases once), from the structures
 that hold them (DeepSpeed 0.19.8's attribute names), not from memtrain:
@@ -31,6 +32,7 @@ is on is read from DeepSpeed's layout (the offloaded optimizer's tensors), the b
 import gc
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,6 +62,7 @@ def main() -> None:
     from memtrain.config.recipe import load_recipe
     from memtrain.memory import estimate as mm
     from memtrain.model.build import build_model
+    from memtrain.model.freeze import freeze
     from memtrain.train.trainer import _skip_shm_comm_op
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]  # the launcher adds --local_rank
@@ -68,6 +71,8 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
+    frozen_recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1",
+                                       "train.frozen=[model.embed_tokens.*,*.self_attn.*]"])
     config = mm.model_and_config(recipe)
     torch.manual_seed(rank)
     ids = torch.randint(0, config.vocab_size, (1, 32))
@@ -96,7 +101,10 @@ def main() -> None:
         base = all_cpu_storages()
         with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage == 3):
             model = build_model(recipe.model, config)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        if "frozen" in offload:
+            freeze(model, frozen_recipe.train.trainable, frozen_recipe.train.frozen)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                          config=cfg)
         opt = engine.optimizer
         seen = {"reduce_buckets": 0, "reduce_scratch": 0, "backward": False}
         if stage in (1, 2):
@@ -183,6 +191,9 @@ def main() -> None:
         measured.update(other=other, gathered_in_forward=seen.get("gathered", 0),
                         reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"])
         target = mm.Target("cpu", mm.compute_dtype(cfg, "cpu"), 1, 32, world)
+        if "frozen" in offload:  # what train.frozen leaves to train, as make plan counts it (on the meta model)
+            made = mm.make_target(frozen_recipe, cfg, world, "cpu")
+            target = replace(target, trainable_params=made.trainable_params, all_params=made.all_params)
         states = mm.model_states(mm.profile_activations(config, target, ("keep",)), cfg, target)
         results[case] = {"measured": measured, "predicted": {k: getattr(states, k) for k in (
             "params", "grads", "optimizer", "buckets", "persistent", "gathered", "update", "host",

@@ -91,6 +91,34 @@ def test_gradients_equal_hooked_run_and_no_recompute(cases, policy):
     assert _max_diff(leaf, _grads(cases, "leaf", "none")) < 1e-6
 
 
+FROZEN = [("frozen", "none", "auto"), ("frozen", "full", "torch"), ("frozen", "full", "deepspeed"),
+          ("frozen", "sqrt", "auto"), ("trainable", "op", "auto"),
+          *((f"frozen-z{stage}", "full", "deepspeed") for stage in (0, 1, 2))]
+
+
+@pytest.mark.parametrize("key", FROZEN, ids=lambda k: "-".join(k))
+def test_frozen_weights_stay_put_and_the_rest_get_the_full_runs_gradients(cases, key):
+    """train.frozen / train.trainable under ZeRO-3 (and ZeRO-0/1/2) on 2 ranks: the trainable parameters' gradients equal the
+    all-trainable run's (also with DeepSpeed's reentrant checkpoint and a frozen embedding, where the first
+    layer's input needs no grad), frozen parameters get no gradient, no optimizer state and stay bit-identical."""
+    rank0, rank1 = cases[key]
+    stage = key[0].partition("-")[2]  # z0/z1/z2: compared with the same stage's all-trainable run
+    reference = _grads(cases, f"plain-{stage}" if stage else "leaf", "none")
+    grads = {n: g for n, g in rank0["grads"].items()}
+    frozen = set(rank0["frozen"])
+    if key[0].startswith("frozen"):
+        assert "model.embed_tokens.weight" in frozen and "model.layers.0.self_attn.q_proj.weight" in frozen
+    else:
+        assert all(".mlp." not in n for n in frozen) and "model.layers.0.mlp.up_proj.weight" not in frozen
+    assert set(grads) == set(reference) - frozen  # a gradient for every trainable parameter, none for a frozen one
+    assert _max_diff(grads, {n: reference[n] for n in grads}) < 1e-6
+    assert rank0["frozen_changed"] == [] and rank1["frozen_changed"] == []
+    trainable = int(rank0["trainable_line"].split()[2].replace(",", ""))
+    assert rank0["optimizer_numel"] == rank1["optimizer_numel"] == trainable  # the optimizer holds what trains only
+    if key[1:] == ("full", "deepspeed"):
+        assert rank0["plan_backend"] == "deepspeed"
+
+
 # --------------------------------------------------------------------------- the decision itself (no launch)
 
 def _layout(zero: dict, dp: int = 1, segments: bool = False):

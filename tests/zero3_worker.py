@@ -9,7 +9,10 @@ probe counted. Rank 0 also records every parameter's full gradient after the fir
 
 JSON variants: "leaf" is ds_configs/zero3_ckpt_no_offload.json (memtrain makes the decoder layers
 ZeRO-3 leaf modules); "hooked" adds `zero_optimization.leaf_module: {classes: []}`, so DeepSpeed hooks
-every submodule as it does by default.
+every submodule as it does by default. "frozen" and "trainable" are "leaf" with the recipe's
+train.frozen / train.trainable (memtrain.model.freeze; FREEZE below); for them each rank also records
+whether every frozen parameter is bit-identical after the steps and how many elements DeepSpeed's
+optimizer holds.
 """
 import json
 import sys
@@ -24,6 +27,14 @@ GRAD_POLICIES = ("none", "full", "every:2", "sqrt", "selective:attn", "selective
 CASES = [("leaf", "none", "auto", STEPS), ("leaf", "full", "torch", STEPS), ("leaf", "full", "deepspeed", STEPS),
          ("leaf", "op", "auto", STEPS), ("hooked", "full", "auto", STEPS), ("hooked", "full", "torch", STEPS)]
 CASES += [(v, p, "auto", 1) for p in GRAD_POLICIES for v in ("leaf", "hooked") if (v, p, "auto", STEPS) not in CASES]
+# frozen embedding (the first layer's input then needs no grad: DeepSpeed's reentrant checkpoint would give its
+# layer no gradient) and attention; or only the MLPs train
+FREEZE = {"frozen": "train.frozen=[model.embed_tokens.*,*.self_attn.*]", "trainable": "train.trainable=[*.mlp.*]"}
+CASES += [("frozen", "none", "auto", 3), ("frozen", "full", "torch", 3), ("frozen", "full", "deepspeed", 3),
+          ("frozen", "sqrt", "auto", 3), ("trainable", "op", "auto", 3)]
+# lower stages build the model without zero.Init (other initial weights): each has its own all-trainable reference
+CASES += [(f"{v}-z{stage}", p, b, n) for stage in (0, 1, 2)
+          for v, p, b, n in (("frozen", "full", "deepspeed", 3), ("plain", "none", "auto", 1))]
 
 
 def json_for(variant: str, out_dir: Path, rank: int) -> str:
@@ -31,6 +42,8 @@ def json_for(variant: str, out_dir: Path, rank: int) -> str:
     raw.pop("tensorboard", None)
     if variant == "hooked":
         raw["zero_optimization"]["leaf_module"] = {"classes": []}
+    if "-z" in variant:  # frozen-z0/1/2: the same freezing under a lower ZeRO stage
+        raw["zero_optimization"] = {"stage": int(variant.rpartition("-z")[2])}
     path = out_dir / f"ds-{variant}-rank{rank}.json"  # each rank its own: no rank reads a half-written file
     path.write_text(json.dumps(raw))
     return str(path)
@@ -49,13 +62,16 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
 
     overrides = ["data.seq_len=32", "train.micro_batch_size=2", "data.random_tokens=true", "train.grad_clip=0",
                  f"activation_checkpointing.policy={policy}", f"activation_checkpointing.backend={backend}",
-                 "activation_checkpointing.modules=[model.layers.*.mlp]"]
+                 "activation_checkpointing.modules=[model.layers.*.mlp]"] + ([FREEZE[variant.partition("-")[0]]] if variant.partition("-")[0] in FREEZE else [])
     args = parse_args(["--deepspeed", json_for(variant, out_dir, rank), *sum((["--set", o] for o in overrides), [])])
     checked = check_run(args, world)
     plan = checked.plan
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       plan.checkpoint_calls, hidden_size=model_hidden_size(checked.config)))
     engine, _, _, _ = build_engine(args.recipe, checked.config, plan, ds_config, args.ds_config, checked.spec)
+    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in frozen]):  # a collective: every rank
+        before = {n: p.detach().clone() for n, p in frozen}
     probe = Zero3Probe(engine.module, list(decoder_layers(engine.module)[1])).__enter__()
     torch.manual_seed(100 + rank)
     grads = {}
@@ -67,14 +83,28 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
             if step == 0:  # every rank takes part in the gather
                 full = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
                 if rank == 0:
-                    grads = {n: g.flatten().tolist() for n, g in full.items()}
+                    grads = {n: g.flatten().tolist() for n, g in full.items() if g is not None}
             engine.step()
             probe.step_done(engine)
     finally:
         probe.__exit__(None, None, None)
+    with deepspeed.zero.GatheredParameters([p for _, p in frozen]):
+        changed = [n for n, p in frozen if not torch.equal(p.detach(), before[n])]
+    optimizer_numel = _optimizer_numel(engine.optimizer)
     engine.destroy()
     return {"variant": variant, "policy": policy, "backend": backend, "plan_backend": plan.backend,
-            "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads}
+            "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads,
+            "frozen": sorted(before), "frozen_changed": changed, "optimizer_numel": optimizer_numel,
+            "trainable_line": checked.trainable}
+
+
+def _optimizer_numel(optimizer) -> int:
+    """Elements of the parameters DeepSpeed's optimizer holds states for (ZeRO-3, ZeRO-1/2, or a bare torch one)."""
+    groups = getattr(optimizer, "fp16_groups", None) or getattr(optimizer, "bit16_groups", None)
+    if groups is None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        groups = [g["params"] for g in inner.param_groups]
+    return sum(getattr(p, "ds_numel", p.numel()) for group in groups for p in group)
 
 
 # families whose init indexes a weight (an embedding's padding_idx row): built under zero.Init, then initialised

@@ -112,6 +112,11 @@ class TrainSection(_Strict):
     """Count ZeRO-3's work per step (parameter fetches by layer and phase, all-gathers, DeepSpeed's
     per-step state, aten ops, CPU time: memtrain.train.zero3_probe) into summary.json's `probe`.
     For `make bench-host` and tests; the counting costs host time, so a probed run's tokens/s is not a benchmark."""
+    trainable: list[str] = Field(default_factory=list)
+    """Parameter-name globs that train (e.g. [model.layers.*.mlp.*]); empty: every parameter. The rest is frozen:
+    no gradient and no optimizer state (memtrain.model.freeze). `make plan` counts only what trains."""
+    frozen: list[str] = Field(default_factory=list)
+    """Parameter-name globs that do not train, taken out after `trainable` (e.g. [model.embed_tokens.*])."""
 
     @field_validator("lr")
     @classmethod
@@ -231,10 +236,14 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
 
 
 def _parse_scalar(text: str) -> Any:
-    """--set values are YAML scalars: 4 -> int, 1e-3 -> float, true -> bool, every:2 -> str."""
+    """--set values are YAML scalars: 4 -> int, 1e-3 -> float, true -> bool, every:2 -> str. A flow list that is
+    not YAML (a glob such as *.mlp.* starts like a YAML alias) is its comma-separated items, each a scalar."""
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
+        inner = text.strip()
+        if inner.startswith("[") and inner.endswith("]"):
+            return [_parse_scalar(item.strip()) for item in inner[1:-1].split(",") if item.strip()]
         return text
 
 

@@ -69,6 +69,14 @@ class Target:
     sequence_parallel: int = 1  # parallel.sequence (seq_len is already per rank)
     tp: int = 1  # tensor-parallel size (AutoTP): one rank holds the local shards (memtrain.memory.tensor_parallel)
     partition: bool = False  # checkpointed inputs partitioned across the TP group (DeepSpeed backend)
+    trainable_params: int = 0  # train.trainable / train.frozen: elements that train (0: every parameter) ...
+    all_params: int = 0  # ... of this many (memtrain.model.freeze); gradients and optimizer states scale by the ratio
+
+    def trained(self, n: int) -> int:
+        """Of `n` parameter elements (the whole model, or one TP rank's shards), those that train."""
+        if not (self.trainable_params and self.all_params):
+            return n
+        return n if self.trainable_params == self.all_params else round(n * self.trainable_params / self.all_params)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -107,11 +115,25 @@ def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] 
     spec = spec or recompute_spec(recipe, ds_config, device)
     sp = recipe.parallel.sequence
     tp = spec.tp_size
+    trainable, total = _trainable(recipe)
     return Target(device, compute_dtype(ds_config, device), recipe.train.micro_batch_size,
                   max(recipe.data.seq_len // sp, 1), world_size,
                   loss=recipe.train.loss if tp <= 1 else "standard",  # AutoTP: memtrain.train.long_context
                   tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
-                  partition=spec.partition_activations)
+                  partition=spec.partition_activations, trainable_params=trainable, all_params=total)
+
+
+def _trainable(recipe) -> tuple[int, int]:
+    """(elements that train, elements in all) under the recipe's train.trainable / train.frozen, counted on the
+    meta model; (0, 0) when every parameter trains."""
+    t = recipe.train
+    if not (t.trainable or t.frozen):
+        return 0, 0
+    from memtrain.model.build import build_on_meta
+    from memtrain.model.freeze import count_trainable
+
+    model = build_on_meta(recipe.model, model_and_config(recipe))
+    return count_trainable(model, t.trainable, t.frozen), sum(p.numel() for p in model.parameters())
 
 
 # --------------------------------------------------------------------------- model states
@@ -164,6 +186,7 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     zero = DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
     # ZeRO shards over the data-parallel ranks; with TP, profile.num_params is already one rank's shard
     n, world, stage = profile.num_params, max(target.world_size // target.tp, 1), int(zero.stage)
+    t = target.trained(n)  # frozen parameters (memtrain.model.freeze) have no gradient and no optimizer state
     c = torch.tensor([], dtype=target.torch_dtype).element_size()
     offloaded = lambda o: o is not None and str(getattr(o.device, "value", o.device)) in ("cpu", "nvme")  # noqa: E731
     offload_opt = stage >= 1 and offloaded(zero.offload_optimizer)
@@ -174,9 +197,9 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     params = c * n // (world if stage == 3 else 1)
     # ZeRO-1 with overlap_comm reduces in the gradient hooks as ZeRO-2 does, freeing each .grad once
     # it is in a bucket: only this rank's partition stays (measured, DeepSpeed 0.19.8, 2 ranks)
-    grads = c * n // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
-    optimizer = (master + 8) * n // (world if stage >= 1 else 1)
-    update = 4 * n // (world if stage >= 1 else 1) if mixed else 0
+    grads = c * t // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
+    optimizer = (master + 8) * t // (world if stage >= 1 else 1)
+    update = 4 * t // (world if stage >= 1 else 1) if mixed else 0
     buckets = persistent = gathered = 0
     if stage == 3:
         buckets = c * zero.reduce_bucket_size if zero.contiguous_gradients else 0
@@ -209,7 +232,7 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
         # compute-dtype partition: ZeRO-1/2's bit16 buffer the update is copied back through, ZeRO-3's
         # gradient partitions (on the offload device). ZeRO-1/2 stage each gradient through a buffer
         # of the largest parameter's size on the device and one on the host.
-        host += optimizer + 4 * n // world + c * n // world
+        host += optimizer + 4 * t // world + c * t // world
         optimizer = update = 0
         if stage == 3:
             grads = 0
@@ -840,6 +863,10 @@ def predict_plan(config, target: Target, ds_config: dict, plan: ACPlan) -> Predi
         notes.append("partition_activations not modelled (it shards nothing without model parallelism)")
     if tensor_parallel.note(config, target.tp):
         notes.append(tensor_parallel.note(config, target.tp))
+    if target.trained(profile.num_params) < profile.num_params:
+        notes.append("frozen parameters: gradients and optimizer states counted for the trainable ones only; "
+                     "activations measured with every weight trainable (a frozen layer keeps less for its "
+                     "backward, so they are an upper bound)")
     return predict(profile, states, choices, plan.segments, plan.offload_impl, tuple(notes))
 
 

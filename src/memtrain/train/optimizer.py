@@ -66,10 +66,13 @@ def build_schedule(recipe) -> Callable[[torch.optim.Optimizer], Any]:
 
 
 def engine_arguments(model, cfg: dict, recipe) -> dict:
-    """Keyword arguments for `deepspeed.initialize`: the JSON's sections, or memtrain's own."""
-    out: dict[str, Optional[Any]] = {"model": model, "model_parameters": model.parameters(), "config": cfg}
+    """Keyword arguments for `deepspeed.initialize`: the JSON's sections, or memtrain's own. Only the parameters
+    that train go to the optimizer (memtrain.model.freeze): a frozen one gets no Adam state and no gradient
+    partition under any ZeRO stage."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    out: dict[str, Optional[Any]] = {"model": model, "model_parameters": trained, "config": cfg}
     if own_optimizer(cfg):
-        out["optimizer"] = build_optimizer(model.parameters(), cfg, recipe)
+        out["optimizer"] = build_optimizer(trained, cfg, recipe)
     if own_scheduler(cfg):
         out["lr_scheduler"] = build_schedule(recipe)
     return out

@@ -26,6 +26,7 @@ from memtrain.train.resume_check import check_resume, check_shapes
 from memtrain.model.data_check import check_data_files, check_seq_len
 from memtrain.recompute.policy import ACPlan, build_plan
 from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
+from memtrain.model.freeze import count_trainable
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys,
@@ -57,6 +58,7 @@ class Checked:
     memory_plan: Any = None  # policy auto: memtrain.memory.planner.PlanResult (prediction and choice)
     zero3: Zero3Layout = Zero3Layout()  # leaf layers and residency under ZeRO-3 (memtrain.config.zero3)
     spec: RecomputeSpec = RecomputeSpec()  # the activation-checkpointing decision (memtrain.config.recompute_spec)
+    trainable: str = ""  # train.trainable / train.frozen: the plan line saying what trains (memtrain.model.freeze)
 
 
 def _get(cfg: dict, dotted: str) -> tuple[bool, Any]:
@@ -311,6 +313,18 @@ def run_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _trainable_line(model, train) -> str:
+    """The patterns against the model's parameter names (one line for one that matches nothing), and the plan line."""
+    if not (train.trainable or train.frozen):
+        return ""
+    trainable = count_trainable(model, train.trainable, train.frozen)
+    total = sum(p.numel() for p in model.parameters())
+    which = "; ".join(f"{key} {', '.join(v)}" for key, v in (("train.trainable", train.trainable),
+                                                              ("train.frozen", train.frozen)) if v)
+    return (f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%) ({which}); "
+            "the rest frozen: no gradient, no optimizer state")
+
+
 def check_run(args: RunArgs, world_size: int) -> Checked:
     """Every check, cheapest first; raises UserError on the first mistake."""
     recipe, source = args.recipe, args.ds_config_path
@@ -330,6 +344,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         tokenizer = build_tokenizer(recipe.data.tokenizer)
         config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
         model = build_on_meta(recipe.model, config)  # transformers' own checks of the config values
+        trained = _trainable_line(model, recipe.train)
         section = recipe.activation_checkpointing
         # ZeRO-3's layout first: where its hooks stay inside a recomputed unit, the spec's backend differs
         zero3 = zero3_layout(args.ds_config, type(decoder_layers(model)[1][0]),
@@ -371,7 +386,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
                  for key in spec.ignored_by_torch]
     if memory_plan is None and recipe.activation_checkpointing.memory_budget is not None:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")
-    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec)
+    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, trained)
 
 
 # --------------------------------------------------------------------------- CLI

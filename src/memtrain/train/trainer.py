@@ -21,6 +21,7 @@ from memtrain.train import run_dir as run_dirs
 from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
 from memtrain.model.data import RandomTokens, prepare_data, to_device
+from memtrain.model.freeze import freeze
 from memtrain.config.ds_config import AUTO, model_hidden_size, resolve_ds_config, tp_size, zero_stage
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
@@ -218,6 +219,8 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         print(plan.describe(), flush=True)
         for line in checked.zero3.lines:
             print(f"  {line}", flush=True)
+        if checked.trainable:
+            print(checked.trainable, flush=True)
         if memory_plan is not None:
             print(memory_plan.describe(), flush=True)
         for warning in checked.warnings:
@@ -465,6 +468,7 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
         model = build_model_zero3(recipe.model, config, ds_config)
     else:
         model = build_model(recipe.model, config)
+    freeze(model, recipe.train.trainable, recipe.train.frozen)  # before DeepSpeed sees which parameters train
     # tiled MLP, sequence parallel, loss
     longctx = long_context.prepare(model, recipe, stage, tp_size(ds_config))
     apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
