@@ -19,7 +19,6 @@ KNOWN = {
     ("tools/plan.py", "private _fake_model from memtrain.memory.estimate"),
     ("tools/sweep_points.py", "private _did_you_mean from memtrain.config.recipe"),
     ("train/preflight.py", "private _BUILDERS from memtrain.model.data"),
-    ("train/trainer.py", "up: memtrain.tools.export"),
 }
 
 

@@ -133,7 +133,7 @@ def test_trainer_counts_each_token_once(tp):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_tp_final_model_is_whole_and_trained(tp, stage):
-    """final/ (memtrain.tools.export.save_final, as the trainer writes it) of a TP=2 engine holds the whole
+    """final/ (memtrain.train.final.save_final, as the trainer writes it) of a TP=2 engine holds the whole
     weights, DeepSpeed gathering the TP shards (and ZeRO-3's partitions), equal to the TP=1 reference
     trained in lock-step; not rank 0's shard."""
     final = tp[f"parity_z{stage}"]["final"]

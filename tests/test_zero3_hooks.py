@@ -119,6 +119,19 @@ def test_frozen_weights_stay_put_and_the_rest_get_the_full_runs_gradients(cases,
         assert rank0["plan_backend"] == "deepspeed"
 
 
+@pytest.mark.parametrize("key", [("lora", "none", "auto"), ("lora", "full", "torch"), ("lora", "full", "deepspeed"),
+                                 ("lora", "op", "auto")], ids=lambda k: "-".join(k))
+def test_lora_gradients_equal_a_plain_peft_models(cases, key):
+    """model.lora under ZeRO-3 on 2 ranks, with the trainer's engine set-up: the adapters' gradients equal those of
+    a plain peft model with the same weights and batches, without DeepSpeed; only the adapters train."""
+    rank0, _ = cases[key]
+    reference = rank0["reference"]
+    assert reference and set(rank0["grads"]) == set(reference)  # the adapters, and nothing else, have gradients
+    assert _max_diff(rank0["grads"], reference) < 1e-5
+    assert max(abs(x) for g in reference.values() for x in g) > 1e-4  # lora_A gets none at B = 0; B does
+    assert rank0["frozen_changed"] == []
+
+
 # --------------------------------------------------------------------------- the decision itself (no launch)
 
 def _layout(zero: dict, dp: int = 1, segments: bool = False):

@@ -137,11 +137,11 @@ def check_parity(stage: int) -> None:
     # final/ as the trainer writes it: whole weights (TP shards gathered), equal to the reference's
     from pathlib import Path
 
-    from memtrain.config.recipe import DataSection
-    from memtrain.tools.export import save_final
+    from memtrain.config.recipe import Recipe
+    from memtrain.train.final import save_final
 
     final = Path(os.path.dirname(OUT)) / f"final_z{stage}"
-    save_final(engine, engine.module, final, DataSection().tokenizer)
+    save_final(engine, engine.module, final, Recipe(model=SECTION), lambda: build_model(SECTION, CONFIG))
     if int(os.environ["RANK"]) == 0:
         from safetensors.torch import load_file
 

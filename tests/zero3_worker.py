@@ -29,9 +29,12 @@ CASES = [("leaf", "none", "auto", STEPS), ("leaf", "full", "torch", STEPS), ("le
 CASES += [(v, p, "auto", 1) for p in GRAD_POLICIES for v in ("leaf", "hooked") if (v, p, "auto", STEPS) not in CASES]
 # frozen embedding (the first layer's input then needs no grad: DeepSpeed's reentrant checkpoint would give its
 # layer no gradient) and attention; or only the MLPs train
-FREEZE = {"frozen": "train.frozen=[model.embed_tokens.*,*.self_attn.*]", "trainable": "train.trainable=[*.mlp.*]"}
+FREEZE = {"frozen": "train.frozen=[model.embed_tokens.*,*.self_attn.*]", "trainable": "train.trainable=[*.mlp.*]",
+          "lora": "model.lora.r=4"}
 CASES += [("frozen", "none", "auto", 3), ("frozen", "full", "torch", 3), ("frozen", "full", "deepspeed", 3),
           ("frozen", "sqrt", "auto", 3), ("trainable", "op", "auto", 3)]
+# LoRA adapters (peft) under ZeRO-3: gradients against a plain peft model without DeepSpeed (rank 0 computes it)
+CASES += [("lora", p, b, 1) for p, b in (("none", "auto"), ("full", "torch"), ("full", "deepspeed"), ("op", "auto"))]
 # lower stages build the model without zero.Init (other initial weights): each has its own all-trainable reference
 CASES += [(f"{v}-z{stage}", p, b, n) for stage in (0, 1, 2)
           for v, p, b, n in (("frozen", "full", "deepspeed", 3), ("plain", "none", "auto", 1))]
@@ -69,6 +72,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       plan.checkpoint_calls, hidden_size=model_hidden_size(checked.config)))
     engine, _, _, _ = build_engine(args.recipe, checked.config, plan, ds_config, args.ds_config, checked.spec)
+    reference = _plain_peft_grads(engine.module, args.recipe, checked.config, world, rank) if variant == "lora" else None
     frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
     with deepspeed.zero.GatheredParameters([p for _, p in frozen]):  # a collective: every rank
         before = {n: p.detach().clone() for n, p in frozen}
@@ -95,7 +99,30 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     return {"variant": variant, "policy": policy, "backend": backend, "plan_backend": plan.backend,
             "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads,
             "frozen": sorted(before), "frozen_changed": changed, "optimizer_numel": optimizer_numel,
-            "trainable_line": checked.trainable}
+            "trainable_line": checked.trainable, "reference": reference}
+
+
+def _plain_peft_grads(module, recipe, config, world, rank):
+    """The engine's starting weights (gathered, a collective) in a plain model with the same adapters, no
+    DeepSpeed: the adapters' gradients of the mean loss over every rank's first batch (run_case draws them).
+    On rank 0; None elsewhere."""
+    import deepspeed
+
+    from memtrain.model.build import build_model
+    from memtrain.model.lora import add_lora, is_adapter
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        state = {n: p.detach().clone() for n, p in module.state_dict().items()}
+    if rank != 0:
+        return None
+    plain = build_model(recipe.model, config)
+    add_lora(plain, recipe.model.lora)
+    plain.load_state_dict(state)
+    for r in range(world):
+        torch.manual_seed(100 + r)
+        ids = torch.randint(0, config.vocab_size, (2, 32))
+        (plain(input_ids=ids, labels=ids).loss / world).backward()
+    return {n: p.grad.flatten().tolist() for n, p in plain.named_parameters() if is_adapter(n)}
 
 
 def _optimizer_numel(optimizer) -> int:

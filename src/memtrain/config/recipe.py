@@ -50,6 +50,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # lr: .inf is a mistake
 
 
+class LoraSection(_Strict):
+    """LoRA adapters (peft): each target linear layer gets a trainable low-rank update; the rest is frozen."""
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # hashable: part of a planner key
+    r: PositiveInt = 8
+    """Rank of each adapter."""
+    alpha: PositiveFloat = 16.0
+    """Scale numerator: the update is (alpha / r) * B @ A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+    target_modules: Union[Literal["all-linear"], tuple[str, ...]] = "all-linear"
+    """Module names (or suffixes, peft's matching) that get adapters, e.g. [q_proj, v_proj]; all-linear: every
+    linear layer but the output head."""
+
+
 class ModelSection(_Strict):
     type: str = "llama"
     """transformers `model_type` (llama, gpt2, qwen2, mistral, ...), built with AutoConfig.for_model."""
@@ -59,6 +73,9 @@ class ModelSection(_Strict):
     """Keys of the transformers config class, e.g. hidden_size, num_hidden_layers."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Master parameter dtype before DeepSpeed; DeepSpeed's bf16/fp16 sections decide compute precision."""
+    lora: Optional[LoraSection] = None
+    """LoRA adapters instead of training every weight (memtrain.model.lora); train.trainable adds parameters
+    that train beside the adapters, train.frozen takes some out."""
 
 
 class DataSection(_Strict):

@@ -33,6 +33,7 @@ import torch
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP, OP
 from memtrain.recompute.hooks import _pattern, _sublayer, apply_plan, find_sublayer, remove_plan
 from memtrain.config.ds_config import AUTO
+from memtrain.config.recipe import LoraSection
 from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.config.zero3 import resident
 from memtrain.memory import tensor_parallel
@@ -71,6 +72,7 @@ class Target:
     partition: bool = False  # checkpointed inputs partitioned across the TP group (DeepSpeed backend)
     trainable_params: int = 0  # train.trainable / train.frozen: elements that train (0: every parameter) ...
     all_params: int = 0  # ... of this many (memtrain.model.freeze); gradients and optimizer states scale by the ratio
+    lora: Optional[LoraSection] = None  # model.lora: the measured layers carry the adapters (memtrain.model.lora)
 
     def trained(self, n: int) -> int:
         """Of `n` parameter elements (the whole model, or one TP rank's shards), those that train."""
@@ -120,19 +122,24 @@ def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] 
                   max(recipe.data.seq_len // sp, 1), world_size,
                   loss=recipe.train.loss if tp <= 1 else "standard",  # AutoTP: memtrain.train.long_context
                   tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
-                  partition=spec.partition_activations, trainable_params=trainable, all_params=total)
+                  partition=spec.partition_activations, trainable_params=trainable, all_params=total,
+                  lora=recipe.model.lora)
 
 
 def _trainable(recipe) -> tuple[int, int]:
     """(elements that train, elements in all) under the recipe's train.trainable / train.frozen, counted on the
     meta model; (0, 0) when every parameter trains."""
     t = recipe.train
-    if not (t.trainable or t.frozen):
+    if not (t.trainable or t.frozen or recipe.model.lora):
         return 0, 0
     from memtrain.model.build import build_on_meta
     from memtrain.model.freeze import count_trainable
 
     model = build_on_meta(recipe.model, model_and_config(recipe))
+    if recipe.model.lora is not None:
+        from memtrain.model.lora import add_lora
+
+        add_lora(model, recipe.model.lora)
     return count_trainable(model, t.trainable, t.frozen), sum(p.numel() for p in model.parameters())
 
 
@@ -429,6 +436,12 @@ def _fake_model(config, num_layers: int, target: Target):
     # the run's loss and tiled MLPs, so the profile measures what they keep. Under sequence
     # parallelism the profile is one rank's slice of tokens with all heads: the same bytes as
     # Ulysses' full sequence on heads/sp (its all-to-all buffers are not modelled).
+    if target.lora is not None:  # the adapters' weights and what they keep; peft freezes the base weights
+        from memtrain.model.freeze import freeze
+        from memtrain.model.lora import add_lora
+
+        add_lora(model, target.lora, dtype=target.torch_dtype)
+        freeze(model)  # as the trainer: the frozen embedding's output requires grad (the first layer's backward)
     install_tiled_mlp(decoder_layers(model)[1], tiled_mlp_shards(target.tiled_mlp, target.seq_len, config.hidden_size))
     install_loss(model, fused=target.loss == "fused" and not fused_unsupported(model, model.get_output_embeddings()))
     return model.train()
@@ -863,7 +876,7 @@ def predict_plan(config, target: Target, ds_config: dict, plan: ACPlan) -> Predi
         notes.append("partition_activations not modelled (it shards nothing without model parallelism)")
     if tensor_parallel.note(config, target.tp):
         notes.append(tensor_parallel.note(config, target.tp))
-    if target.trained(profile.num_params) < profile.num_params:
+    if target.trained(profile.num_params) < profile.num_params and target.lora is None:
         notes.append("frozen parameters: gradients and optimizer states counted for the trainable ones only; "
                      "activations measured with every weight trainable (a frozen layer keeps less for its "
                      "backward, so they are an upper bound)")

@@ -203,3 +203,34 @@ def prepare_data(cfg: DataSection, seed: int, build: bool = True) -> PackedData:
         np.save(tmp, packed)
         os.replace(tmp, cache_file)  # atomic: concurrent readers never see a partial file
     return PackedData(np.load(cache_file, mmap_mode="r"), tokenizer.vocab_size, seed)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what tokenizers' ByteLevel pre-tokenizer uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def save_tokenizer(spec: str, out: Path) -> None:
+    """The run's tokenizer: a local HF tokenizer is copied; memtrain's 'byte' tokenizer (ids 0..255 =
+    UTF-8 bytes, 256 = EOS) is written as an equivalent byte-level fast tokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if spec != "byte":
+        AutoTokenizer.from_pretrained(spec, local_files_only=True).save_pretrained(out)
+        return
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab["<eos>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(out)

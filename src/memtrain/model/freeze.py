@@ -1,6 +1,7 @@
 """Which parameters train: the recipe's `train.trainable` / `train.frozen` name globs, checked on the meta model.
 
-`trainable` (empty: every parameter) selects what trains; `frozen` then takes parameters out again.
+`trainable` (empty: every parameter; with LoRA adapters, memtrain.model.lora: the adapters) selects what
+trains, adapters always included; `frozen` then takes parameters out again.
 Patterns are shell globs (`fnmatch`, `*` crosses dots) over the names `model.named_parameters()` gives,
 tied names included (`lm_head.weight` names the embedding when the two are tied): e.g.
 `model.embed_tokens.*`, `model.layers.[0-3].*`, `*.mlp.*`. A frozen parameter gets `requires_grad=False`
@@ -21,6 +22,7 @@ from typing import Iterable
 from torch import nn
 
 from memtrain.errors import UserError
+from memtrain.model.lora import is_adapter
 
 
 def _names(model: nn.Module) -> dict[int, list[str]]:
@@ -43,12 +45,14 @@ def trainable_names(model: nn.Module, trainable: Iterable[str] = (), frozen: Ite
                 example = ", ".join(every[:3])
                 raise UserError(f"{key}: '{pattern}' matches no parameter of {type(model).__name__} "
                                 f"(names look like {example}, ...)")
+    adapters = any(is_adapter(n) for n in every)
     chosen = set()
     for group in names.values():
-        selected = not trainable or any(fnmatchcase(n, p) for n in group for p in trainable)
+        adapter = any(is_adapter(n) for n in group)
+        selected = adapter or (any(fnmatchcase(n, p) for n in group for p in trainable) if trainable else not adapters)
         if selected and not any(fnmatchcase(n, p) for n in group for p in frozen):
             chosen.add(group[0])
-    if (trainable or frozen) and not chosen:
+    if not chosen:
         raise UserError("train.frozen: every parameter is frozen; nothing would train")
     return chosen
 
@@ -63,19 +67,13 @@ def freeze(model: nn.Module, trainable: Iterable[str] = (), frozen: Iterable[str
     """Sets requires_grad=False on every parameter that does not train; (trainable, total) parameter counts,
     by element (under ZeRO-3 the full sizes: `ds_numel`). With a frozen input embedding, makes the embedding
     output require grad so that a reentrant checkpoint of the first layer still yields gradients."""
-    trainable, frozen = list(trainable), list(frozen)
-    if not (trainable or frozen):
-        total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        return total, total
     keep = trainable_names(model, trainable, frozen)
     counts = [0, 0]
     for name, p in model.named_parameters():
         size = getattr(p, "ds_numel", p.numel())
         counts[1] += size
-        if name in keep:
-            counts[0] += size
-        else:
-            p.requires_grad_(False)
+        counts[0] += size if name in keep else 0
+        p.requires_grad_(name in keep)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
         model.enable_input_require_grads()

@@ -23,6 +23,9 @@ def build_model_zero3(section: ModelSection, config, ds_config: dict) -> nn.Modu
     import deepspeed
     from transformers.integrations.deepspeed import initialize_weights_zero3, prevent_arange_dtype_change
 
+    if section.pretrained:
+        return _load_pretrained_zero3(section, config, ds_config)
+
     # prevent_arange_dtype_change: zero.Init casts tensor constructors to the training dtype; RoPE's
     # inv_freq must keep the float32 arange transformers asks for (as transformers' own ZeRO-3 path does).
     with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config), \
@@ -35,6 +38,24 @@ def build_model_zero3(section: ModelSection, config, ds_config: dict) -> nn.Modu
         module.__dict__.pop("_is_hf_initialized", None)
     initialize_weights_zero3(model)  # gathers with modifier_rank=0: rank 0 initialises, all ranks get it
     model.tie_weights()
+    return model
+
+
+def _load_pretrained_zero3(section: ModelSection, config, ds_config: dict) -> nn.Module:
+    """A pretrained directory under ZeRO-3, loaded as transformers loads it for its own Trainer: with its
+    DeepSpeed config registered (`HfDeepSpeedConfig`), `from_pretrained` builds under `zero.Init` and copies
+    each checkpoint tensor into its partitioned parameter (gathered one at a time). Without it, transformers
+    would see every partitioned parameter's empty shape as a size mismatch and re-initialise it."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, prevent_arange_dtype_change, \
+        unset_hf_deepspeed_config
+
+    registered = HfDeepSpeedConfig(ds_config)  # transformers keeps a weak reference: hold it while loading
+    try:
+        with prevent_arange_dtype_change():
+            model = build_model(section, config)
+    finally:
+        unset_hf_deepspeed_config()
+        del registered
     return model
 
 

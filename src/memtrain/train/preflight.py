@@ -27,6 +27,7 @@ from memtrain.model.data_check import check_data_files, check_seq_len
 from memtrain.recompute.policy import ACPlan, build_plan
 from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.model.freeze import count_trainable
+from memtrain.model.lora import add_lora
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys,
@@ -313,14 +314,16 @@ def run_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _trainable_line(model, train) -> str:
+def _trainable_line(model, recipe) -> str:
     """The patterns against the model's parameter names (one line for one that matches nothing), and the plan line."""
-    if not (train.trainable or train.frozen):
+    train, lora = recipe.train, recipe.model.lora
+    if not (train.trainable or train.frozen or lora):
         return ""
     trainable = count_trainable(model, train.trainable, train.frozen)
     total = sum(p.numel() for p in model.parameters())
-    which = "; ".join(f"{key} {', '.join(v)}" for key, v in (("train.trainable", train.trainable),
-                                                              ("train.frozen", train.frozen)) if v)
+    adapters = [f"LoRA r={lora.r} alpha={lora.alpha:g} on {lora.target_modules if isinstance(lora.target_modules, str) else ', '.join(lora.target_modules)}"] if lora else []
+    which = "; ".join(adapters + [f"{key} {', '.join(v)}" for key, v in (("train.trainable", train.trainable),
+                                                                         ("train.frozen", train.frozen)) if v])
     return (f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%) ({which}); "
             "the rest frozen: no gradient, no optimizer state")
 
@@ -344,7 +347,9 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         tokenizer = build_tokenizer(recipe.data.tokenizer)
         config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
         model = build_on_meta(recipe.model, config)  # transformers' own checks of the config values
-        trained = _trainable_line(model, recipe.train)
+        if recipe.model.lora is not None:  # the adapted model: its names, layers and what trains
+            add_lora(model, recipe.model.lora)
+        trained = _trainable_line(model, recipe)
         section = recipe.activation_checkpointing
         # ZeRO-3's layout first: where its hooks stay inside a recomputed unit, the spec's backend differs
         zero3 = zero3_layout(args.ds_config, type(decoder_layers(model)[1][0]),
@@ -364,6 +369,9 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
     check_tensor_parallel(args.ds_config, source, config, world_size)
+    if tp_size(args.ds_config) > 1 and recipe.model.lora is not None:
+        raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's model.lora: "
+                        "AutoTP shards torch Linear layers, and peft's LoRA layers wrap them (untested together)")
     if tp_size(args.ds_config) > 1 and recipe.parallel.sequence > 1:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's parallel.sequence "
                         f"({recipe.parallel.sequence}); memtrain runs AutoTP or Ulysses sequence parallelism, not both")

@@ -62,8 +62,9 @@ def _status(run_dir: Path) -> str:
 def check_shapes(step_dir: Path, model) -> None:
     """The checkpoint's parameters must be the model's, name for name and shape for shape.
 
-    DeepSpeed records every parameter's shape in the model states file (`param_shapes`); it is
-    loaded memory-mapped, so large weights stored beside it are not read."""
+    DeepSpeed records every trained parameter's shape in the model states file (`param_shapes`) and, under
+    ZeRO-2/3, every frozen one's (`frozen_param_shapes`: train.frozen, LoRA's base weights); it is loaded
+    memory-mapped, so large weights stored beside it are not read."""
     path = sorted(step_dir.glob("*model_states.pt"))[0]
     try:
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
@@ -72,6 +73,9 @@ def check_shapes(step_dir: Path, model) -> None:
                         ) from None
     saved: dict[str, tuple] = {}
     for group in state.get("param_shapes") or [{k: v.shape for k, v in (state.get("module") or {}).items()}]:
+        saved.update({k: tuple(v) for k, v in group.items()})
+    frozen = state.get("frozen_param_shapes") or {}
+    for group in (frozen if isinstance(frozen, list) else [frozen]):
         saved.update({k: tuple(v) for k, v in group.items()})
     ours = {k: tuple(p.shape) for k, p in model.named_parameters()}
     tp = checkpoint.saved_tp_size(step_dir)  # a TP run records each rank's shard of a parameter

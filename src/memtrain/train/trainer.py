@@ -22,6 +22,8 @@ from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_dee
 from memtrain.config.args import RunArgs
 from memtrain.model.data import RandomTokens, prepare_data, to_device
 from memtrain.model.freeze import freeze
+from memtrain.model.lora import add_lora
+from memtrain.train.final import save_final
 from memtrain.config.ds_config import AUTO, model_hidden_size, resolve_ds_config, tp_size, zero_stage
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
@@ -339,9 +341,7 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     if t.save_checkpoints and completed > start:  # a stop during start-up trained nothing: nothing to save
         _save_checked(engine, run_dir, completed, t, layout.tp)
     if t.save_checkpoints and status == "completed":  # final/: loads with transformers' from_pretrained
-        from memtrain.tools.export import save_final
-
-        save_final(engine, engine.module, run_dir / "final", recipe.data.tokenizer)
+        save_final(engine, engine.module, run_dir / "final", recipe, lambda: build_model(recipe.model, config))
     summary = {
         "status": status,
         "steps": completed,
@@ -468,6 +468,8 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
         model = build_model_zero3(recipe.model, config, ds_config)
     else:
         model = build_model(recipe.model, config)
+    if recipe.model.lora is not None:  # adapters in place; deepspeed.initialize partitions them under ZeRO-3
+        add_lora(model, recipe.model.lora)
     freeze(model, recipe.train.trainable, recipe.train.frozen)  # before DeepSpeed sees which parameters train
     # tiled MLP, sequence parallel, loss
     longctx = long_context.prepare(model, recipe, stage, tp_size(ds_config))
