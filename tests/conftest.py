@@ -149,7 +149,8 @@ def allocator_peak(model, ids) -> int:
     memory model counts them with the model states)."""
     from torch.profiler import ProfilerActivity, profile
 
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()
+             if p.requires_grad]
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             loss = model(input_ids=ids, labels=ids).loss

@@ -9,6 +9,7 @@ loss, no DeepSpeed), before Ulysses replaces transformers' sdpa for the process:
   sp-fused-tiled-z3  ZeRO-3, parallel.sequence 2, fused, tiled_mlp 2
   sp-standard-z2     ZeRO-2, parallel.sequence 2, standard
   sp-fused-z1        ZeRO-1, parallel.sequence 2, fused
+  sp-lora-z3         ZeRO-3, parallel.sequence 2, fused, LoRA adapters (model.lora; only they train)
 
 Each engine takes one SGD step (lr 1, no clipping); the parameter change is -grad, gathered and
 compared with the reference's gradient. Writes one JSON line per case to the last argument on rank 0.
@@ -24,6 +25,7 @@ import deepspeed.comm as dist
 
 from memtrain.config.recipe import load_recipe
 from memtrain.model.build import build_config, build_model
+from memtrain.model.lora import add_lora
 from memtrain.train import long_context
 
 SEQ, MBS, VOCAB = 64, 2, 300
@@ -51,7 +53,10 @@ def labels_with_ignores(ids):
 
 def fresh_model(r):
     torch.manual_seed(0)
-    return build_model(r.model, build_config(r.model, VOCAB, SEQ))
+    model = build_model(r.model, build_config(r.model, VOCAB, SEQ))
+    if r.model.lora is not None:  # the adapters' init draws from the same seeded stream in both
+        add_lora(model, r.model.lora)
+    return model
 
 
 def reference_grads(r, batches):
@@ -62,7 +67,7 @@ def reference_grads(r, batches):
         loss = model(input_ids=ids, labels=labels).loss / len(batches)
         loss.backward()
         losses.append(loss.item() * len(batches))
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, sum(losses) / len(losses)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, sum(losses) / len(losses)
 
 
 def engine_grads(r, stage, feed):
@@ -72,7 +77,7 @@ def engine_grads(r, stage, feed):
     cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
            "sequence_parallel_size": r.parallel.sequence, "steps_per_print": 10**9}
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, mpu=ctx.mpu)
     loss = engine(**feed(ctx.sp)).loss
     engine.backward(loss)
@@ -107,6 +112,8 @@ def main():
     # references first: Ulysses registration below replaces sdpa for the whole process
     ref_dp = reference_grads(recipe(), dp_batches)
     ref_sp = reference_grads(recipe(), [(ids[0], ids[0])])
+    lora = ["model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,down_proj]"]
+    ref_lora = reference_grads(recipe(*lora), [(ids[0], ids[0])])
 
     def dp_feed(sp):
         x, labels = dp_batches[rank]
@@ -122,6 +129,7 @@ def main():
                        engine_grads(recipe(*sp2, "train.loss=fused", "activation_checkpointing.tiled_mlp=2"), 3, sp_feed)))
     out.append(compare("sp-standard-z2", ref_sp, engine_grads(recipe(*sp2, "train.loss=standard"), 2, sp_feed)))
     out.append(compare("sp-fused-z1", ref_sp, engine_grads(recipe(*sp2, "train.loss=fused"), 1, sp_feed)))
+    out.append(compare("sp-lora-z3", ref_lora, engine_grads(recipe(*sp2, *lora, "train.loss=fused"), 3, sp_feed)))
 
     # memtrain's slices against DeepSpeed's UlyssesSPDataLoaderAdapter (an independent implementation)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter

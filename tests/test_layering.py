@@ -8,15 +8,14 @@ ORDER = ["config", "model", "recompute", "memory", "train", "tools"]
 
 # Known debt (issue 23), one entry per importing module and what it imports. Remove an entry when its import goes.
 KNOWN = {
-    ("memory/estimate.py", "private _pattern, _sublayer from memtrain.recompute.hooks"),
-    ("memory/estimate.py", "up: memtrain.train.metrics"),
+    ("memory/predict.py", "private _pattern, _sublayer from memtrain.recompute.hooks"),
+    ("memory/rates.py", "up: memtrain.train.metrics"),
     ("model/data_check.py", "private _BUILDERS from memtrain.model.data"),
     ("model/flops.py", "up: memtrain.recompute.policy"),
     ("recompute/hooks.py", "up: memtrain.memory.tracker"),
     ("recompute/hooks.py", "private _SUBLAYERS from memtrain.recompute.policy"),
     ("recompute/offload.py", "up: memtrain.memory.tracker"),
     ("recompute/partition.py", "private _Alias from memtrain.recompute.offload"),
-    ("tools/plan.py", "private _fake_model from memtrain.memory.estimate"),
     ("tools/sweep_points.py", "private _did_you_mean from memtrain.config.recipe"),
     ("train/preflight.py", "private _BUILDERS from memtrain.model.data"),
 }

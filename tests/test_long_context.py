@@ -182,8 +182,8 @@ def test_sequence_parallel_rejects_zero0_and_json_mismatch(capsys, tmp_path):
 
 
 def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
-    """One launch: SP=2 vs one-rank full sequence for ZeRO-3/2/1, fused vs standard under ZeRO-3
-    with tied embeddings and ignored labels, slices vs DeepSpeed's adapter, then the trainer."""
+    """One launch: SP=2 vs one-rank full sequence for ZeRO-3/2/1 and with LoRA adapters, fused vs standard under
+    ZeRO-3 with tied embeddings and ignored labels, slices vs DeepSpeed's adapter, then the trainer."""
     out = tmp_path / "cases.jsonl"
     deepspeed_bin = ROOT / ".venv" / "bin" / "deepspeed"
     deepspeed_bin = deepspeed_bin if deepspeed_bin.exists() else __import__("pathlib").Path(sys.executable).with_name("deepspeed")
@@ -192,7 +192,7 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
-    for case in ("dp-fused-z3", "dp-standard-z3", "sp-fused-tiled-z3", "sp-standard-z2", "sp-fused-z1"):
+    for case in ("dp-fused-z3", "dp-standard-z3", "sp-fused-tiled-z3", "sp-standard-z2", "sp-fused-z1", "sp-lora-z3"):
         row = rows[case]
         assert abs(row["loss"] - row["ref_loss"]) < 1e-5, row
         assert row["grad_rel_err"] < 1e-5, row
@@ -227,7 +227,7 @@ def _planned_and_measured(sets, layers=2, batch=4, seq=256):
     plan = plan_for("full", layers, backend="torch")
     pred = predict_run(recipe, json.loads(DS.read_text()), 1, plan, config, target)
     torch.manual_seed(0)
-    model = mm._fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
+    model = mm.fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
     apply_plan(model, plan)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     return pred, allocator_peak(model, ids)

@@ -102,3 +102,15 @@ def test_train_sbatch_stops_when_the_gpu_count_is_unknown(tmp_path):
     proc, srun = _sbatch(tmp_path, SLURM_GPUS_PER_NODE="h100:many")
     assert proc.returncode == 2 and srun is None
     assert proc.stderr.count("\n") == 1 and "SLURM_GPUS_PER_NODE='h100:many'" in proc.stderr
+
+
+@pytest.mark.parametrize("job_id", ["7", "13000", "19999", "54321"])
+def test_train_sbatch_rendezvous_port_is_below_the_ephemeral_range(tmp_path, job_id):
+    """The c10d rendezvous port: never inside the kernel's ephemeral range (32768-60999 by default), where an
+    outgoing connection on the node may already hold it (20000 + id % 20000 put a third of the job ids there)."""
+    ranges = tmp_path / "port_range"
+    ranges.write_text("32768\t60999\n")
+    proc, srun = _sbatch(tmp_path, SLURM_JOB_ID=job_id, MEMTRAIN_PORT_RANGE_FILE=str(ranges))
+    assert proc.returncode == 0, proc.stderr
+    port = int(srun.split("--rdzv-endpoint=node1:")[1].split()[0])
+    assert 10000 <= port < 32768

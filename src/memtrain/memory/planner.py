@@ -10,7 +10,7 @@ Step-time model (only the differences between plans matter; the step itself is t
   overlaps: the copy out overlaps the next layer's forward, the copy back the backward of the
   `PREFETCH_DEPTH` layers memtrain.recompute.offload prefetches ahead.
 
-Memory model: `memtrain.memory.estimate` (peaks over forward, loss and backward; prefix sums of
+Memory model: `memtrain.memory.predict` (peaks over forward, loss and backward; prefix sums of
 what layers leave alive). The DP keeps, after each layer, the Pareto front of (bytes left alive
 so far, predicted time); every constraint grows with the bytes so far, so a state with more bytes
 and more time can never lead to a better plan, and dropping it keeps the search exact.
@@ -30,7 +30,11 @@ from memtrain.config.recompute_spec import RecomputeSpec
 from memtrain.recompute.policy import ACPlan, build_plan
 from memtrain.errors import UserError
 from memtrain.units import gib
-from memtrain.memory.estimate import (OFFLOAD, ActivationProfile, ModelStates, Prediction, Rates, Target, activation_peak, allocator_margin, choice_mode, layer_footprint, model_states, predict)
+from memtrain.memory.predict import OFFLOAD, Prediction, activation_peak, allocator_margin, choice_mode, layer_footprint, predict
+from memtrain.memory.profile import ActivationProfile
+from memtrain.memory.rates import Rates
+from memtrain.memory.states import ModelStates, model_states
+from memtrain.memory.target import Target
 
 # --------------------------------------------------------------------------- choices and their time
 
@@ -268,7 +272,9 @@ def auto_plan(spec: RecomputeSpec, recipe, ds_config: dict, world_size: int, con
     """`activation_checkpointing.policy: auto`: the ACPlan that fits `memory_budget` with the least
     predicted step time, among the per-layer choices the run's RecomputeSpec allows (its backend, and
     whether its checkpointed inputs may go to host memory). Raises UserError (one line) when no plan fits."""
-    from memtrain.memory.estimate import make_target, measure_rates, model_and_config, profile_activations
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.rates import measure_rates
+    from memtrain.memory.target import make_target, model_and_config
 
     section = spec.section
     if section.memory_budget is None:
@@ -298,7 +304,8 @@ def may_offload(spec: RecomputeSpec, target: Target, rates: Rates) -> bool:
 
 def suggest_fit(recipe, ds_config: dict, world_size: int, budget_bytes: int) -> str:
     """For an out-of-memory report: the smallest peak memtrain's AC can reach, and what would fit."""
-    from memtrain.memory.estimate import make_target, model_and_config, profile_activations, recompute_spec
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.target import make_target, model_and_config, recompute_spec
 
     spec = recompute_spec(recipe, ds_config)
     target = make_target(recipe, ds_config, world_size, spec=spec)
@@ -319,10 +326,11 @@ def predict_run(recipe, ds_config: dict, world_size: int, plan: ACPlan, config=N
 
     `plan.layers[i]` maps to the memory model's choice for layer i (with '+offload' where
     `plan.offload[i]`), `plan.segments` to sqrt units, `plan.modules` to per-layer measured modes
-    (see memtrain.memory.estimate.plan_choices); what cannot be modelled is said in `Prediction.notes`.
+    (see memtrain.memory.predict.plan_choices); what cannot be modelled is said in `Prediction.notes`.
     `ds_config` is the run's DeepSpeed config (resolved or raw: 'auto' values are read as
     memtrain resolves them)."""
-    from memtrain.memory.estimate import make_target, model_and_config, predict_plan
+    from memtrain.memory.predict import predict_plan
+    from memtrain.memory.target import make_target, model_and_config
 
     target = target or make_target(recipe, ds_config, world_size)
     config = config or model_and_config(recipe)

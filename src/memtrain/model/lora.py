@@ -36,7 +36,7 @@ def add_lora(model: nn.Module, section: LoraSection, dtype=None):
     around it, for saving. Only the adapters train. UserError (one line) when no module matches.
 
     `dtype`: create the adapters in this dtype on the current default device and leave them there: the
-    planner's fake-tensor model (memtrain.memory.estimate), where they already are where peft would move
+    planner's fake-tensor model (memtrain.memory.profile), where they already are where peft would move
     them, and where `Module.to` fails (torch 2.13 cannot swap a fake parameter that the fake mode holds a
     weak reference to)."""
     from contextlib import ExitStack

@@ -2,7 +2,7 @@
 recompute policy x offload of checkpointed inputs x loss (standard/fused) x tiled MLP x sequence
 parallelism, and which memory runs out first: the device's or the host's.
 
-Per combination, one rank's activation profile is measured on fake tensors (memtrain.memory.estimate,
+Per combination, one rank's activation profile is measured on fake tensors (memtrain.memory.profile,
 with the run's loss and tiled MLPs installed) at two long per-rank token counts (32 and 64 times
 the hidden size) and extended field by field along the line through them. Memory on a GPU is
 linear in the tokens (flash/efficient attention keeps no T x T scores; a tiled MLP with `auto`
@@ -19,8 +19,11 @@ import os
 from dataclasses import asdict, replace
 from typing import Optional
 
-from memtrain.memory.estimate import (FULL, KEEP, OFFLOAD, ActivationProfile, make_target, model_and_config,
-                                      model_states, predict, profile_activations)
+from memtrain.memory.predict import OFFLOAD, predict
+from memtrain.memory.profile import ActivationProfile, profile_activations
+from memtrain.memory.states import model_states
+from memtrain.memory.target import make_target, model_and_config
+from memtrain.recompute.policy import FULL, KEEP
 from memtrain.model.loss import fused_unsupported
 from memtrain.units import GIB
 

@@ -17,7 +17,11 @@ from typing import Optional
 from memtrain.recompute.policy import build_plan
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.units import GIB, parse_size
-from memtrain.memory.estimate import (MODULES, OFFLOAD, ActivationProfile, choice_mode, make_target, measure_rates, model_and_config, model_states, predict, predict_plan, profile_activations, recompute_spec)
+from memtrain.memory.predict import OFFLOAD, choice_mode, predict, predict_plan
+from memtrain.memory.profile import MODULES, ActivationProfile, profile_activations
+from memtrain.memory.rates import measure_rates
+from memtrain.memory.states import model_states
+from memtrain.memory.target import make_target, model_and_config, recompute_spec
 from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, may_offload, predicted_plan, smallest_peak, what_fits)
 
 POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
@@ -79,7 +83,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
                        + ("for it" if rates.device == target.device else "not measured on GPU")),
         "model_states": {**asdict(states), "total": states.total},
         "policies": {}, "budget": budget,
-        "allocator_margin_note": "measured as 0 on an H100 (memory.estimate.ALLOCATOR_MARGIN)",
+        "allocator_margin_note": "measured as 0 on an H100 (memory.predict.ALLOCATOR_MARGIN)",
     }
     long_profile = None
     if budget is not None:
@@ -159,10 +163,11 @@ def _extra_rows(spec, num_layers: int) -> dict:
 def plan_choices_of(config, target, plan) -> tuple[str, ...]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memtrain.memory.estimate import _fake_model, plan_choices
+    from memtrain.memory.predict import plan_choices
+    from memtrain.memory.profile import fake_model
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        return plan_choices(plan, _fake_model(config, 1, target), config.num_hidden_layers)[0]
+        return plan_choices(plan, fake_model(config, 1, target), config.num_hidden_layers)[0]
 
 
 def format_report(r: dict) -> str:

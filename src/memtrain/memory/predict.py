@@ -1,0 +1,323 @@
+"""The predicted peak of a step: per-layer activation costs walked through forward and backward, plus model states.
+
+The live bytes at any point are prefix sums of per-layer costs (`activation_peak`), which tests check
+against real steps. Any ACPlan maps onto it (`predict_plan`): per-layer modes, sqrt segments, modules
+patterns, memtrain's offload, ZeRO-1/2 reduce buckets (backward only), and the allocator margin.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP, OP
+from memtrain.recompute.hooks import _pattern, _sublayer
+from memtrain.memory import tensor_parallel
+from memtrain.memory.target import Target
+from memtrain.memory.states import ModelStates, model_states
+from memtrain.memory.profile import MODULES, ActivationProfile, fake_model, profile_activations, supported_modes, modules_mode
+
+# Allocator margin on CUDA: what torch.cuda.max_memory_allocated() shows above the live tensors
+# this model adds up (block rounding is already in the measured sizes; this is what is left:
+# allocations that briefly overlap, kernels' workspaces). Measured, `make gpu-check` on one H100
+# 80GB HBM3 (llama-1b, seq 2048, micro-batch 8, bf16, ZeRO-3, torch 2.11): with a margin of one
+# largest allocation (the 1.95 GiB fp32 logits) the prediction was over the measured peak by
+# +3.4 GiB (none), +2.1 (full, either backend), +2.1 (op), +1.3 (full + offload); without it by
+# +1.47, +0.10, +0.10 and -0.70 GiB (+2.8%, +0.4%, +0.3%, -3.0%). So the measured margin of
+# max_memory_allocated is none: 0. Fragmentation shows in max_memory_reserved, not here; keep
+# headroom for it in the budget itself.
+ALLOCATOR_MARGIN = 0.0  # times the step's largest single allocation (measured, see above)
+ALLOCATOR_MARGIN_BYTES = 0  # fixed bytes on top (measured, see above)
+
+
+OFFLOAD = "+offload"
+
+
+def choice_mode(choice: str) -> tuple[str, bool]:
+    """'full+offload' -> ('full', True); 'attn' -> ('attn', False)."""
+    return (choice[: -len(OFFLOAD)], True) if choice.endswith(OFFLOAD) else (choice, False)
+
+
+def allocator_margin(profile: ActivationProfile) -> int:
+    """The allocator margin of a step (CUDA only): see ALLOCATOR_MARGIN."""
+    if profile.target.device != "cuda":
+        return 0
+    return int(ALLOCATOR_MARGIN * profile.largest_block) + ALLOCATOR_MARGIN_BYTES
+
+
+@dataclass
+class Prediction:
+    """Predicted peak device memory of one training step, by component (bytes)."""
+
+    model_states: ModelStates
+    saved_activations: int  # at the end of the forward (what ActivationMeter measures), device part
+    saved_per_layer: dict[str, int]  # per choice: bytes one layer keeps on the device
+    recompute_working_set: int  # the largest recomputed unit's backward working set (a sqrt segment: all its layers)
+    logits_and_loss: int  # saved outside the layers plus the head's transient peak
+    activation_peak: int  # the activation part of the peak, over forward, loss and backward
+    margin: int  # allocator margin (CUDA only): ALLOCATOR_MARGIN, measured on an H100
+    phase: str  # where the peak happens
+    host_activations: int = 0  # offloaded checkpoints on the host
+    prefetched: int = 0  # in activation_peak: offloaded inputs restored ahead of their layers (prefetch)
+    side_stream: int = 0  # in activation_peak: an offloaded input its device-to-host copy still holds (CUDA)
+    reduce_buffers: int = 0  # ZeRO-1/2 reduce buckets and scratch at the peak (0 when it is in the forward)
+    notes: tuple[str, ...] = ()  # what the prediction leaves out or assumes (e.g. a modules pattern not modelled)
+
+    @property
+    def peak(self) -> int:
+        """The larger of the forward/backward peak and the optimizer step's (no activations then)."""
+        return self.model_states.total + max(self.activation_peak + self.reduce_buffers,
+                                             self.model_states.update) + self.margin
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["model_states"]["total"] = self.model_states.total
+        d["peak"] = self.peak
+        return d
+
+
+def layer_footprint(profile: ActivationProfile, choice: str) -> tuple[int, int, int]:
+    """(resident, forward transient, backward transient) of one layer on the device for a choice."""
+    mode, offload = choice_mode(choice)
+    c = profile.layers[mode]
+    moved = c.input_bytes if offload else 0
+    return c.resident - moved, c.fwd_excess, c.bwd_excess + moved  # offloaded input comes back for backward
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One checkpointed call of a plan in layer order: a layer (`layers` 1), or a sqrt segment of
+    `layers` consecutive full layers recomputed as one unit."""
+
+    choice: str
+    first: int  # its first layer
+    layers: int = 1
+
+    @property
+    def mode(self) -> str:
+        return choice_mode(self.choice)[0]
+
+    @property
+    def offload(self) -> bool:
+        return choice_mode(self.choice)[1]
+
+    @property
+    def slot(self) -> bool:
+        """Whether memtrain's offloader sees it (a checkpointed layer or segment; not modules: patterns)."""
+        return self.mode != KEEP and not self.mode.startswith(MODULES)
+
+    def name(self) -> str:
+        return f"layer {self.first}" if self.layers == 1 else f"layers {self.first}-{self.first + self.layers - 1}"
+
+
+def plan_units(choices: tuple[str, ...], segments=()) -> list[Unit]:
+    """Per-layer choices and sqrt segments ((start, stop) ranges of full layers) -> units in layer order."""
+    stops = dict(segments)
+    units, i = [], 0
+    while i < len(choices):
+        k = stops.get(i, i + 1) - i
+        units.append(Unit(choices[i], i, k))
+        i += k
+    return units
+
+
+def unit_footprint(profile: ActivationProfile, unit: Unit) -> tuple[int, int, int]:
+    """(resident, forward transient, backward transient) of a unit.
+
+    A segment of k full layers keeps only its input: it leaves one full layer's resident bytes
+    (its output) alive; inside its forward the previous layer's output is alive while the next
+    layer runs; its backward recomputes all k layers at once, keeping everything, so its working
+    set is k-1 kept layers' resident bytes plus one full layer's recompute-and-backward set.
+    """
+    if unit.layers == 1:
+        return layer_footprint(profile, unit.choice)
+    keep, full = profile.layers[KEEP], profile.layers[unit.mode]
+    moved = full.input_bytes if unit.offload else 0
+    fwd = max(full.fwd_excess, full.resident + full.fwd_excess)
+    bwd = (unit.layers - 1) * keep.resident + full.bwd_excess + moved
+    return full.resident - moved, fwd, bwd
+
+
+def _walk(profile: ActivationProfile, units: list[Unit], prefetch_depth: int, side_stream: bool,
+          backward_extra: int):
+    """Every candidate peak of a plan: (activation bytes, phase, prefetched, side-stream bytes, in the backward).
+
+    Forward of unit u: base + resident of units < u + its forward transient (+ on CUDA the input of
+    the unit before it, when offloaded, until its device-to-host copy is done: the copy overlaps
+    the next unit's forward, and `record_stream` keeps the memory until then).
+    Head (logits, loss, their backward): base + all residents + head transient.
+    Backward of unit u: base + residents of units <= u + head_net + its backward transient
+    + the offloaded inputs memtrain.recompute.offload has restored ahead: when the backward reaches a
+    checkpointed unit it copies back the inputs of the next `prefetch_depth` offloaded units it
+    will recompute, so during u's backward the nearest `prefetch_depth` offloaded units below u
+    are on the device too (once any checkpointed unit at or above u has been reached).
+    `backward_extra` (ZeRO-1/2 reduce buffers) counts in the head, backward and embedding backward.
+    """
+    inputs = [profile.layers[u.mode].input_bytes if u.offload else 0 for u in units]
+    reached = [False] * len(units)  # some checkpointed unit at or above u: the prefetch has started
+    for u in range(len(units) - 1, -1, -1):
+        reached[u] = units[u].slot or (u + 1 < len(units) and reached[u + 1])
+    out, prefix = [], profile.base
+    for u, unit in enumerate(units):
+        resident, fwd, bwd = unit_footprint(profile, unit)
+        side = inputs[u - 1] if side_stream and u > 0 else 0
+        ahead = 0
+        if prefetch_depth and reached[u]:
+            below = [inputs[j] for j in range(u - 1, -1, -1) if units[j].offload][:prefetch_depth]
+            ahead = sum(below)
+        out.append((prefix + fwd + side, f"forward of {unit.name()}", 0, side, False))
+        out.append((prefix + resident + profile.head_net + bwd + ahead, f"backward of {unit.name()}", ahead, 0, True))
+        prefix += resident
+    out.append((prefix + profile.head_excess, "logits/loss", 0, 0, True))
+    out.append((profile.base + profile.head_net + profile.tail_excess, "embedding backward", 0, 0, True))
+    return out
+
+
+def _best(candidates, backward_extra: int):
+    return max(candidates, key=lambda c: c[0] + (backward_extra if c[4] else 0))
+
+
+def activation_peak(profile: ActivationProfile, choices: tuple[str, ...], segments=(),
+                    prefetch_depth: Optional[int] = None, backward_extra: int = 0) -> tuple[int, str]:
+    """The activation peak of a plan, and its phase (see `_walk`). `backward_extra` takes part in
+    choosing the phase but is not in the returned bytes."""
+    from memtrain.recompute.offload import PREFETCH_DEPTH
+
+    depth = PREFETCH_DEPTH if prefetch_depth is None else prefetch_depth
+    best = _best(_walk(profile, plan_units(choices, segments), depth, profile.target.device == "cuda" and depth > 0,
+                       backward_extra), backward_extra)
+    return best[0], best[1]
+
+
+def predict(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...], segments=(),
+            offload_impl: str = "memtrain", notes: tuple[str, ...] = ()) -> Prediction:
+    """The prediction for per-layer choices (modes, '+offload' where the layer's input goes to the
+    host) and sqrt segments. memtrain's offload prefetches PREFETCH_DEPTH layers ahead and copies
+    on a side stream; DeepSpeed's own CPU_CHECKPOINT (offload_impl 'deepspeed') brings each input
+    back when its recompute needs it."""
+    from memtrain.recompute.offload import PREFETCH_DEPTH
+
+    memtrain = offload_impl == "memtrain"
+    depth = PREFETCH_DEPTH if memtrain else 0
+    units = plan_units(choices, segments)
+    value, phase, ahead, side, backward = _best(
+        _walk(profile, units, depth, profile.target.device == "cuda" and memtrain, states.backward), states.backward)
+    saved_per = {}
+    saved = profile.outside_saved
+    for unit in units:
+        c = profile.layers[unit.mode]
+        key = unit.choice if unit.layers == 1 else f"{unit.choice} (segment of {unit.layers})"
+        saved_per[key] = c.saved - (c.input_bytes if unit.offload else 0)
+        saved += saved_per[key]
+    recomputed = [unit_footprint(profile, u)[2] for u in units if u.mode != KEEP]
+    host = sum(profile.layers[u.mode].input_bytes for u in units if u.offload)
+    return Prediction(
+        model_states=states,
+        saved_activations=saved,
+        saved_per_layer=saved_per,
+        recompute_working_set=max(recomputed, default=0),
+        logits_and_loss=profile.outside_saved + profile.head_excess,
+        activation_peak=value,
+        margin=allocator_margin(profile),
+        phase=phase,
+        host_activations=host,
+        prefetched=ahead,
+        side_stream=side,
+        reduce_buffers=states.backward if backward else 0,
+        notes=tuple(notes),
+    )
+
+
+# --------------------------------------------------------------------------- any ACPlan
+
+def _layer_module_names(model) -> tuple[str, list[str]]:
+    """(path of the decoder-layer list, module paths inside layer 0 relative to it, '' = the layer)."""
+    from memtrain.model.build import decoder_layers
+
+    path, layers = decoder_layers(model)
+    return path, [n for n, _ in layers[0].named_modules()]
+
+
+def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[str, ...], list[str]]:
+    """Per-layer choices (measured mode keys, '+offload') of an ACPlan, and notes on what is not modelled.
+
+    `model1` is a 1-layer model of the family (fake or meta tensors): module paths of layer i are
+    those of layer 0 with the index replaced. Patterns go as apply_plan takes them: in order,
+    skipping a match inside (or around) a module already recomputed. Inside layer i, the matched
+    set {the layer} is mode full, {its attention / MLP sublayer} mode attn / mlp, anything else a
+    measured `modules_mode`. Matches outside the decoder layers are not modelled (noted).
+    """
+    layer_path, inside = _layer_module_names(model1)
+    outside = [n for n, _ in model1.named_modules() if n and not (n == layer_path or n.startswith(layer_path + "."))]
+    names = list(outside)
+    for i in range(num_layers):
+        names += [f"{layer_path}.{i}" + (f".{rel}" if rel else "") for rel in inside]
+    sub = {}
+    layer0 = dict(model1.named_modules())[f"{layer_path}.0"]
+    for mode in (ATTN, MLP):
+        try:
+            sub[mode] = next(n for n, m in layer0.named_children() if m is _sublayer(layer0, mode))
+        except Exception:  # noqa: BLE001 - a family without that sublayer
+            pass
+    taken = set()
+    for i, mode in enumerate(plan.layers):
+        if mode in (FULL, OP):
+            taken.add(f"{layer_path}.{i}")
+        elif mode in sub:
+            taken.add(f"{layer_path}.{i}.{sub[mode]}")
+    per_layer: list[list[str]] = [[] for _ in range(num_layers)]
+    notes, unmodelled = [], []
+    for text in plan.modules:
+        rx = _pattern(text)
+        found = [n for n in names if rx.match(n)]
+        if not found:
+            notes.append(f"modules pattern '{text}' matches no module (apply_plan refuses it); not modelled")
+        for name in found:
+            if any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
+                continue
+            taken.add(name)
+            rest = name[len(layer_path) + 1:] if name.startswith(layer_path + ".") else ""
+            index, _, rel = rest.partition(".")
+            if not rest or not index.isdigit():
+                unmodelled.append(name)
+                continue
+            per_layer[int(index)].append(rel)
+    if unmodelled:
+        notes.append(f"modules pattern matches outside the decoder layers not modelled (predicted as kept): "
+                     f"{', '.join(unmodelled[:4])}" + (" ..." if len(unmodelled) > 4 else ""))
+    choices = []
+    for i, mode in enumerate(plan.layers):
+        rels = per_layer[i]
+        if mode == KEEP and rels:
+            if rels == [""]:
+                mode = FULL
+            elif len(rels) == 1 and rels[0] == sub.get(ATTN):
+                mode = ATTN
+            elif len(rels) == 1 and rels[0] == sub.get(MLP):
+                mode = MLP
+            else:
+                mode = modules_mode(rels)
+        offload = i < len(plan.offload) and plan.offload[i] and plan.cpu_checkpointing
+        choices.append(mode + (OFFLOAD if offload and mode != KEEP else ""))
+    return tuple(choices), notes
+
+
+def predict_plan(config, target: Target, ds_config: dict, plan: ACPlan) -> Prediction:
+    """The prediction for any ACPlan the trainer runs (see memtrain.memory.planner.predict_run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model1 = fake_model(config, 1, target)
+        choices, notes = plan_choices(plan, model1, config.num_hidden_layers)
+    extra = tuple(dict.fromkeys(choice_mode(c)[0] for c in choices if c.startswith(MODULES)))
+    profile = profile_activations(config, target, (*supported_modes(), *extra))
+    states = model_states(profile, ds_config, target)
+    if plan.partition_activations and target.tp <= 1:
+        notes.append("partition_activations not modelled (it shards nothing without model parallelism)")
+    if tensor_parallel.note(config, target.tp):
+        notes.append(tensor_parallel.note(config, target.tp))
+    if target.trained(profile.num_params) < profile.num_params and target.lora is None:
+        notes.append("frozen parameters: gradients and optimizer states counted for the trainable ones only; "
+                     "activations measured with every weight trainable (a frozen layer keeps less for its "
+                     "backward, so they are an upper bound)")
+    return predict(profile, states, choices, plan.segments, plan.offload_impl, tuple(notes))
+
+

@@ -1,0 +1,349 @@
+"""Activation costs measured on fake tensors: one decoder layer per AC mode, and what lies around the layers.
+
+The real transformers model with one decoder layer runs one forward and backward per AC mode at the target
+micro-batch, sequence length and dtype, on fake tensors (`FakeTensorMode`: shapes only, nothing allocated);
+a 2-layer run separates the layer from what lies around it. A tracker follows every tensor storage through
+the step (`memtrain.memory.tracker.StepTracker`), so the measurement covers any decoder family, attention
+kernel, dtype and whatever the AC modes really keep.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+import torch
+
+from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, KEEP, MLP
+from memtrain.recompute.hooks import apply_plan, find_sublayer, remove_plan
+from memtrain.memory import tensor_parallel
+from memtrain.memory.tracker import ActivationMeter, StepTracker
+from memtrain.memory.target import Target
+
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One decoder layer under one AC mode, measured at the target shape."""
+
+    saved: int  # bytes it keeps for backward at the end of the forward (ActivationMeter's measure)
+    resident: int  # bytes its forward leaves alive on the device (saved + its output, less its input)
+    fwd_excess: int  # transient peak above `resident`-so-far while it runs forward
+    bwd_excess: int  # transient peak while it runs backward: the recompute working set for recomputed modes
+    input_bytes: int  # its checkpointed input (what offload moves to the host)
+    fwd_flops: float
+    bwd_flops: float  # including any recompute
+    bwd_written: float  # bytes its backward (and recompute) writes
+    recompute_flops: float = 0.0  # extra backward FLOPs over keeping everything
+    recompute_written: float = 0.0  # extra bytes written over keeping everything
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Measured activation costs of a model at one target shape; additive over layers."""
+
+    target: Target
+    num_layers: int
+    num_params: int
+    largest_layer_params: int
+    param_sizes: tuple[tuple[int, int], ...]  # (elements, how many parameters of that size) over the model
+    layers: dict[str, LayerCost]  # per AC mode
+    outside_saved: int  # what embeddings, final norm, logits and loss keep for backward
+    base: int  # alive before the first layer's forward (embeddings output, rotary tables)
+    head_excess: int  # peak of logits, loss and their backward above everything saved
+    head_net: int  # left alive after the head's backward (gradient of the last hidden states, ...)
+    tail_excess: int  # peak after the first layer's backward (embedding backward)
+    largest_block: int  # the largest single allocation of the step
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def scaled(self, micro_batch_size: int) -> "ActivationProfile":
+        """Every activation carries the batch dimension, so sizes scale linearly with the micro-batch."""
+        f = micro_batch_size / self.target.micro_batch_size
+        sc = lambda v: int(round(v * f)) if isinstance(v, int) else v * f  # noqa: E731
+        layers = {m: LayerCost(**{k: sc(v) for k, v in asdict(c).items()}) for m, c in self.layers.items()}
+        fields = {k: sc(getattr(self, k)) for k in ("outside_saved", "base", "head_excess", "head_net",
+                                                      "tail_excess", "largest_block")}
+        target = Target(**{**asdict(self.target), "micro_batch_size": micro_batch_size})
+        return replace(self, target=target, layers=layers, **fields)
+
+
+def supported_modes() -> tuple[str, ...]:
+    """The per-layer AC modes memtrain.recompute implements ("keep", "full", and the selective ones)."""
+    modes = LAYER_MODES
+    return tuple(m for m in ("keep", "op", "attn", "mlp", "full") if m in modes)
+
+
+def _layer_config(config, num_layers: int):
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = num_layers
+    if isinstance(getattr(cfg, "layer_types", None), list):  # per-layer attention kinds (sliding, full)
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    return cfg
+
+
+def _param_shapes(model, num_layers: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """From a 1-layer model: (parameters of the num_layers model, the largest single module's,
+    histogram of parameter sizes), tied parameters counted once."""
+    from collections import Counter
+
+    from memtrain.model.build import decoder_layers
+
+    unique = {id(p): p for p in model.parameters()}
+    _, layers = decoder_layers(model)
+    in_layer = {id(p) for p in layers[0].parameters()}
+    sizes = Counter(p.numel() for k, p in unique.items() if k not in in_layer)
+    for p in layers[0].parameters():
+        sizes[p.numel()] += num_layers
+    total = sum(numel * count for numel, count in sizes.items())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=m is layers[0])) for m in model.modules())
+    return total, largest, tuple(sorted(sizes.items()))
+
+
+MODULES = "modules:"  # a measured mode: "modules:mlp.act_fn|self_attn.q_proj", paths inside a layer
+
+
+def modules_mode(paths) -> str:
+    """The mode key of recomputing these modules (paths relative to a decoder layer) inside every layer."""
+    return MODULES + "|".join(sorted(paths))
+
+
+def mode_plan(model, modes) -> ACPlan:
+    """The ACPlan a measured per-layer mode tuple stands for (modules modes: the same paths in every layer)."""
+    from memtrain.model.build import decoder_layers
+
+    if isinstance(modes, ACPlan):
+        return modes
+    path, _ = decoder_layers(model)
+    layers, modules = [], []
+    for i, mode in enumerate(modes):
+        if mode.startswith(MODULES):
+            layers.append(KEEP)
+            modules += [f"{path}.{i}.{rel}" for rel in mode[len(MODULES):].split("|")]
+        else:
+            layers.append(mode)
+    return ACPlan(policy="profile", layers=tuple(layers), backend="torch", modules=tuple(modules))
+
+
+def _run(model, modes, target: Target) -> dict:
+    """One forward+backward under a per-layer plan (mode tuple or ACPlan): the live-bytes curve with
+    per-layer marks."""
+    from memtrain.model.flops import flop_counter
+    from memtrain.model.build import decoder_layers
+
+    _, layers = decoder_layers(model)
+    apply_plan(model, mode_plan(model, modes))
+    counter = flop_counter()
+    tracker = StepTracker(counter.get_total_flops, CUDA_BLOCK if target.device == "cuda" else 1)
+    state = {"backward": False, "input_bytes": 0}
+    handles = []
+
+    # Marks: a layer's forward starts/ends with its module call; its backward starts when the
+    # gradient of its output is ready and ends when the gradient of its input is.
+    for k, layer in enumerate(layers):
+        def pre(module, args, kwargs, k=k):
+            if state["backward"]:  # a recompute, not the forward
+                return
+            tracker.mark(f"fwd_start{k}")
+            x = args[0] if args else kwargs["hidden_states"]
+            state["input_bytes"] = x.untyped_storage().nbytes()
+            if x.requires_grad:
+                x.register_hook(lambda g, k=k: tracker.mark(f"bwd_end{k}"))
+
+        def post(module, args, kwargs, out, k=k):
+            if state["backward"]:
+                return
+            tracker.mark(f"fwd_end{k}")
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            y.register_hook(lambda g, k=k: tracker.mark(f"bwd_start{k}"))
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (target.micro_batch_size, target.seq_len), device=device)
+    meter = ActivationMeter()
+    try:
+        with counter, tracker:
+            with meter.measure():
+                loss = model(input_ids=ids, labels=ids).loss
+            state["backward"] = True
+            tracker.mark("backward")
+            loss.backward()
+            del loss
+            tracker.mark("end")
+    finally:
+        for h in handles:
+            h.remove()
+        remove_plan(model)
+    # Parameter gradients count with the model states, except a gradient made in the forward: the
+    # fused loss (torch's linear_cross_entropy) computes lm_head's full weight gradient there and
+    # holds it through the backward, an activation-like transient the model states do not hold.
+    backward_start = tracker.marks["backward"][0]
+    grads = {serial for p in model.parameters() if p.grad is not None
+             for serial in [tracker.serial(p.grad.untyped_storage())] if serial is None or serial >= backward_start}
+    for p in model.parameters():
+        p.grad = None
+    return {"curve": tracker.curve(grads), "marks": tracker.marks, "saved": meter.bytes,
+            "input_bytes": state["input_bytes"],
+            "largest_block": max((d for d, s in tracker.events if s not in grads), default=0)}
+
+
+def fake_model(config, num_layers: int, target: Target):
+    from transformers import AutoModelForCausalLM
+
+    from memtrain.model.build import decoder_layers
+    from memtrain.model.loss import fused_unsupported, install_loss
+    from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
+
+    with torch.device(_fake_device(target)):
+        model = AutoModelForCausalLM.from_config(_layer_config(config, num_layers), dtype=target.torch_dtype)
+    # the run's loss and tiled MLPs, so the profile measures what they keep. Under sequence
+    # parallelism the profile is one rank's slice of tokens with all heads: the same bytes as
+    # Ulysses' full sequence on heads/sp (its all-to-all buffers are not modelled).
+    if target.lora is not None:  # the adapters' weights and what they keep; peft freezes the base weights
+        from memtrain.model.freeze import freeze
+        from memtrain.model.lora import add_lora
+
+        add_lora(model, target.lora, dtype=target.torch_dtype)
+        freeze(model)  # as the trainer: the frozen embedding's output requires grad (the first layer's backward)
+    install_tiled_mlp(decoder_layers(model)[1], tiled_mlp_shards(target.tiled_mlp, target.seq_len, config.hidden_size))
+    install_loss(model, fused=target.loss == "fused" and not fused_unsupported(model, model.get_output_embeddings()))
+    return model.train()
+
+
+def _fake_device(target: Target) -> str:
+    """Fake CUDA tensors need a CUDA build (checkpoint saves the device RNG); elsewhere fake CPU ones."""
+    return "cuda" if target.device == "cuda" and torch.cuda.is_available() else "cpu"
+
+
+@contextmanager
+def _no_packed_sequences():
+    """Decide transformers' one data-dependent mask question as the real step does.
+
+    memtrain passes no attention mask and positions 0..S-1 in every row, so transformers finds no
+    packed sequences and lets SDPA apply causality itself. Fake tensors hold no values, so it would
+    assume packing and build a (batch, 1, S, S) mask the real step never has.
+    """
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]] = None) -> ActivationProfile:
+    """Measure one layer per AC mode, and the parts around the layers, on fake tensors.
+
+    A 1-layer model runs once per mode: its layer's window of the live-bytes curve gives what the
+    layer leaves alive, its transient peaks and its FLOPs. A 2-layer model without recompute runs
+    once more: the difference in saved bytes is one kept layer, which separates what the layer
+    saves from what embeddings, final norm, logits and loss save (the same in every mode).
+    Modes may include `modules_mode(paths)`: those modules inside the layer recomputed.
+    """
+    modes = tuple(modes or supported_modes())
+    if KEEP not in modes:
+        modes = (KEEP, *modes)
+    extra = tuple(m for m in modes if m.startswith(MODULES))
+    modes = tuple(m for m in modes if m not in extra)
+    full_config, config = config, tensor_parallel.local_config(config, target.tp)  # one TP rank's shards
+    key = (config.to_json_string(), target, modes)
+    if key not in _PROFILES:
+        measured = _measure_profile(config, target, modes)
+        measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
+        _PROFILES[key] = tensor_parallel.partition_inputs(measured, target.tp) if target.partition else measured
+    profile = _PROFILES[key]
+    if not extra:
+        return profile
+    layers = dict(profile.layers)
+    for mode in extra:
+        mkey = (config.to_json_string(), target, mode)
+        if mkey not in _MODE_COSTS:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            from memtrain.model.attention import plain
+
+            with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences(), plain():
+                run = _run(fake_model(config, 1, target), (mode,), target)
+            _MODE_COSTS[mkey] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
+                                 run["largest_block"])
+        layers[mode] = _MODE_COSTS[mkey][0]
+    largest = max([profile.largest_block] + [_MODE_COSTS[(config.to_json_string(), target, m)][1] for m in extra])
+    return replace(profile, layers=layers, largest_block=largest)
+
+
+_PROFILES: dict[tuple, "ActivationProfile"] = {}  # deterministic: measure once per process
+_MODE_COSTS: dict[tuple, tuple["LayerCost", int]] = {}  # modules modes, measured on demand
+
+
+def _live(run, mark):
+    return run["curve"][run["marks"][mark][0]]
+
+
+def _peak(run, start, stop):
+    return max(run["curve"][run["marks"][start][0]:run["marks"][stop][0] + 1])
+
+
+def _delta(run, start, stop, what):  # FLOPs (1) or bytes written (2) between two marks
+    return run["marks"][stop][what] - run["marks"][start][what]
+
+
+def _layer_cost(run, outside_saved: int, keep: Optional[LayerCost] = None) -> LayerCost:
+    """Layer 0's costs from a 1-layer run; with `keep`, its extra over keeping everything as well."""
+    cost = LayerCost(
+        saved=run["saved"] - outside_saved,
+        resident=_live(run, "fwd_end0") - _live(run, "fwd_start0"),
+        fwd_excess=_peak(run, "fwd_start0", "fwd_end0") - _live(run, "fwd_start0"),
+        bwd_excess=_peak(run, "bwd_start0", "bwd_end0") - _live(run, "bwd_start0"),
+        input_bytes=run["input_bytes"],
+        fwd_flops=_delta(run, "fwd_start0", "fwd_end0", 1),
+        bwd_flops=_delta(run, "bwd_start0", "bwd_end0", 1),
+        bwd_written=_delta(run, "bwd_start0", "bwd_end0", 2),
+    )
+    if keep is None:
+        return cost
+    return replace(cost, recompute_flops=max(0.0, cost.bwd_flops - keep.bwd_flops),
+                   recompute_written=max(0.0, cost.bwd_written - keep.bwd_written))
+
+
+def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> ActivationProfile:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memtrain.model.attention import plain
+    from memtrain.model.build import decoder_layers
+
+    runs: dict[str, dict] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences(), plain():
+        model = fake_model(config, 1, target)
+        num_params, largest, param_sizes = _param_shapes(model, config.num_hidden_layers)
+        layer = decoder_layers(model)[1][0]  # sublayer modes only where the layer has the sublayer (not OPT's MLP)
+        modes = tuple(m for m in modes if m not in (ATTN, MLP) or find_sublayer(layer, m) is not None)
+        for mode in modes:
+            runs[mode] = _run(model, (mode,), target)
+        two_keep = _run(fake_model(config, 2, target), (KEEP, KEEP), target)
+    outside_saved = 2 * runs[KEEP]["saved"] - two_keep["saved"]
+    keep = _layer_cost(runs[KEEP], outside_saved)
+    layers = {mode: _layer_cost(run, outside_saved, keep) for mode, run in runs.items()}
+    run = runs[KEEP]  # the parts around the layers do not depend on the layers' mode
+    return ActivationProfile(
+        target=target,
+        num_layers=config.num_hidden_layers,
+        num_params=num_params,
+        largest_layer_params=largest,
+        param_sizes=param_sizes,
+        layers=layers,
+        outside_saved=outside_saved,
+        base=_live(run, "fwd_start0"),
+        head_excess=_peak(run, "fwd_end0", "bwd_start0") - _live(run, "fwd_end0"),
+        head_net=_live(run, "bwd_start0") - _live(run, "fwd_end0"),
+        tail_excess=_peak(run, "bwd_end0", "end") - _live(run, "bwd_end0"),
+        largest_block=max(r["largest_block"] for r in (*runs.values(), two_keep)),
+    )
+
+

@@ -1,0 +1,125 @@
+"""Model states per device under DeepSpeed's layout: parameters, gradients, optimizer states, ZeRO buffers, offload."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dataclasses import dataclass
+
+import torch
+
+from memtrain.config.zero3 import resident
+from memtrain.memory.target import Target
+
+if TYPE_CHECKING:  # a profile is measured after the states' formula is defined (memtrain.memory.profile)
+    from memtrain.memory.profile import ActivationProfile
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per device for parameters, gradients and optimizer states, and what sits on the host."""
+
+    params: int  # this rank's parameters (its partition under ZeRO-3)
+    grads: int
+    optimizer: int  # fp32 master copy and Adam's two moments
+    buckets: int  # ZeRO-3's contiguous reduce bucket (allocated in full, whatever the model size)
+    persistent: int  # ZeRO-3: parameters below the persistence threshold, also kept whole on every rank
+    gathered: int  # ZeRO-3: the module being computed and the prefetch bucket, gathered in full
+    update: int  # fp32 gradients made for the update (mixed precision); only during the step, with no activations
+    host: int  # offloaded to host memory (not part of the device peak)
+    reduce_buckets: int = 0  # ZeRO-1/2 ipg reduce buckets: live from the first gradient to the end of the backward
+    reduce_scratch: int = 0  # ZeRO-1/2: the flattened copy of one bucket while it is reduced (backward only)
+
+    @property
+    def backward(self) -> int:
+        """What exists only while gradients are reduced (the backward), not in the forward or the update."""
+        return self.reduce_buckets + self.reduce_scratch
+
+    @property
+    def total(self) -> int:
+        """What is on the device through the forward and backward."""
+        return self.params + self.grads + self.optimizer + self.buckets + self.persistent + self.gathered
+
+
+def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) -> ModelStates:
+    """DeepSpeed's layout, component by component, with DeepSpeed's own defaults for its JSON.
+
+    c = compute bytes per parameter (2 in bf16/fp16, 4 in fp32). Adam keeps two fp32 moments (8)
+    beside an fp32 master copy (4; stages 1-3 keep one in fp32 training too, as measured on CPU).
+    Stage >= 1 shards the optimizer, >= 2 the gradients, 3 the parameters.
+
+    ZeRO-1/2 (DeepSpeedZeroOptimizer.setup_buckets, at the first gradient hook of a backward, freed
+    in its epilogue): with contiguous_gradients one ipg bucket of reduce_bucket_size elements per
+    communication dtype, two with overlap_comm (double buffering); with more than one rank,
+    reducing a bucket flattens its per-rank slices into one more tensor of up to the bucket's size
+    (allreduce_and_scatter -> allreduce_bucket; in a world of one the slices merge into one and the
+    flatten is a view: measured, nothing allocated); both in the
+    compute dtype (DeepSpeed's default grad_accum_dtype). allgather_bucket_size allocates
+    nothing: the parameters' all-gather writes into the flat parameter buffer
+    (all_gather_into_tensor_dp_groups; the bucketed fallback gathers into narrowed views of it).
+    """
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
+    # ZeRO shards over the data-parallel ranks; with TP, profile.num_params is already one rank's shard
+    n, world, stage = profile.num_params, max(target.world_size // target.tp, 1), int(zero.stage)
+    t = target.trained(n)  # frozen parameters (memtrain.model.freeze) have no gradient and no optimizer state
+    c = torch.tensor([], dtype=target.torch_dtype).element_size()
+    offloaded = lambda o: o is not None and str(getattr(o.device, "value", o.device)) in ("cpu", "nvme")  # noqa: E731
+    offload_opt = stage >= 1 and offloaded(zero.offload_optimizer)
+    offload_param = stage == 3 and offloaded(zero.offload_param)
+    mixed = c < 4
+    master = 4 if (stage >= 1 or mixed) else 0
+
+    params = c * n // (world if stage == 3 else 1)
+    # ZeRO-1 with overlap_comm reduces in the gradient hooks as ZeRO-2 does, freeing each .grad once
+    # it is in a bucket: only this rank's partition stays (measured, DeepSpeed 0.19.8, 2 ranks)
+    grads = c * t // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
+    optimizer = (master + 8) * t // (world if stage >= 1 else 1)
+    update = 4 * t // (world if stage >= 1 else 1) if mixed else 0
+    buckets = persistent = gathered = 0
+    if stage == 3:
+        buckets = c * zero.reduce_bucket_size if zero.contiguous_gradients else 0
+        small = sum(numel * count for numel, count in profile.param_sizes
+                    if numel <= zero.param_persistence_threshold)
+        persistent = c * small if world > 1 else 0  # in a world of one the partition is the parameter (measured)
+        # the unit ZeRO-3 gathers at once is a whole decoder layer (memtrain.config.zero3 makes layers leaf
+        # modules), plus the prefetch bucket
+        gathered = c * (profile.largest_layer_params + min(zero.prefetch_bucket_size, n))
+        if resident(ds_config, world):  # memtrain.config.zero3: every parameter persists, nothing is gathered
+            gathered = 0
+        elif world > 1 and zero.max_reuse_distance >= 2 * n:
+            # DeepSpeed releases a gathered parameter only if no use of it lies within
+            # max_reuse_distance elements of the trace (forward and backward: ~2n); within reach, every
+            # non-persistent parameter stays whole from its forward to its backward (measured, 2 ranks,
+            # DeepSpeed 0.19.8). In a world of one the H100 calibration above holds (not re-measured).
+            gathered = max(gathered, c * (n - small))
+    reduce_buckets = reduce_scratch = 0
+    if stage in (1, 2):
+        g = c  # the gradient dtype (data_types.grad_accum_dtype apart from it is not modelled)
+        if zero.contiguous_gradients or offload_opt:  # DeepSpeed turns contiguous gradients on for offload
+            reduce_buckets = g * int(zero.reduce_bucket_size) * (2 if zero.overlap_comm else 1)
+        if world > 1:  # in a world of one a bucket's slices merge into one view: nothing is copied
+            largest_param = max((numel for numel, _ in profile.param_sizes), default=0)
+            reduce_scratch = g * min(n, max(int(zero.reduce_bucket_size), largest_param))
+    host = 0
+    if offload_opt:
+        # The update runs on the host (measured, DeepSpeed 0.19.8, 2 ranks): the fp32 master and
+        # Adam's moments, the fp32 gradient partition it steps with (in fp32 training too), and a
+        # compute-dtype partition: ZeRO-1/2's bit16 buffer the update is copied back through, ZeRO-3's
+        # gradient partitions (on the offload device). ZeRO-1/2 stage each gradient through a buffer
+        # of the largest parameter's size on the device and one on the host.
+        host += optimizer + 4 * t // world + c * t // world
+        optimizer = update = 0
+        if stage == 3:
+            grads = 0
+        else:  # ZeRO-1 without overlap_comm keeps its full .grad until the backward's end (not measured)
+            largest_param = max((numel for numel, _ in profile.param_sizes), default=0)
+            grads = (grads if stage == 1 and not zero.overlap_comm else 0) + c * largest_param
+            host += c * largest_param
+    if offload_param:
+        host += params
+        params = 0
+    return ModelStates(params, grads, optimizer, buckets, persistent, gathered, update, host,
+                       reduce_buckets, reduce_scratch)
+
+

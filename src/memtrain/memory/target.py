@@ -1,0 +1,106 @@
+"""The run a memory prediction is for (one device): shapes, dtype, layout, what trains, and the recipe's config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from memtrain.config.ds_config import AUTO
+from memtrain.config.recipe import LoraSection
+from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the prediction is for: one device of a run."""
+
+    device: str  # "cuda" or "cpu"
+    dtype: str  # compute dtype of activations: "float32" | "bfloat16" | "float16"
+    micro_batch_size: int
+    seq_len: int  # tokens one rank holds: the sequence over the sequence-parallel size
+    world_size: int
+    loss: str = "standard"  # train.loss: fused | standard (memtrain.model.loss)
+    tiled_mlp: object = 0  # activation_checkpointing.tiled_mlp: slices, or "auto"
+    sequence_parallel: int = 1  # parallel.sequence (seq_len is already per rank)
+    tp: int = 1  # tensor-parallel size (AutoTP): one rank holds the local shards (memtrain.memory.tensor_parallel)
+    partition: bool = False  # checkpointed inputs partitioned across the TP group (DeepSpeed backend)
+    trainable_params: int = 0  # train.trainable / train.frozen: elements that train (0: every parameter) ...
+    all_params: int = 0  # ... of this many (memtrain.model.freeze); gradients and optimizer states scale by the ratio
+    lora: Optional[LoraSection] = None  # model.lora: the measured layers carry the adapters (memtrain.model.lora)
+
+    def trained(self, n: int) -> int:
+        """Of `n` parameter elements (the whole model, or one TP rank's shards), those that train."""
+        if not (self.trainable_params and self.all_params):
+            return n
+        return n if self.trainable_params == self.all_params else round(n * self.trainable_params / self.all_params)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def compute_dtype(ds_config: dict, device: str) -> str:
+    """The dtype DeepSpeed computes in. bf16 "auto" means on where supported: a GPU here."""
+    def enabled(key):
+        value = (ds_config.get(key) or {}).get("enabled", False)
+        if value != AUTO:
+            return bool(value)
+        if device == "cuda" and torch.cuda.is_available():
+            return key == "bf16" and torch.cuda.is_bf16_supported()  # as resolve_ds_config fills it
+        return device == "cuda" and key == "bf16"  # planning for a GPU from a host without one
+
+    if enabled("bf16"):
+        return "bfloat16"
+    if enabled("fp16"):
+        return "float16"
+    return "float32"
+
+
+def recompute_spec(recipe, ds_config: dict, device: Optional[str] = None) -> RecomputeSpec:
+    """The RecomputeSpec of a run of `recipe` under `ds_config` on `device` (default: this machine's), for a
+    tool that plans without running (make plan, max_seq, an OOM report); a run resolves its own in preflight."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_recompute(ds_config, recipe.activation_checkpointing, device)
+
+
+def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] = None,
+                spec: Optional[RecomputeSpec] = None) -> Target:
+    """The run to predict: `spec` (default: resolved for `device`) says whether checkpointed inputs are
+    partitioned across the tensor-parallel group."""
+    device = device or (spec.device if spec else ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = spec or recompute_spec(recipe, ds_config, device)
+    sp = recipe.parallel.sequence
+    tp = spec.tp_size
+    trainable, total = _trainable(recipe)
+    return Target(device, compute_dtype(ds_config, device), recipe.train.micro_batch_size,
+                  max(recipe.data.seq_len // sp, 1), world_size,
+                  loss=recipe.train.loss if tp <= 1 else "standard",  # AutoTP: memtrain.train.long_context
+                  tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
+                  partition=spec.partition_activations, trainable_params=trainable, all_params=total,
+                  lora=recipe.model.lora)
+
+
+def _trainable(recipe) -> tuple[int, int]:
+    """(elements that train, elements in all) under the recipe's train.trainable / train.frozen, counted on the
+    meta model; (0, 0) when every parameter trains."""
+    t = recipe.train
+    if not (t.trainable or t.frozen or recipe.model.lora):
+        return 0, 0
+    from memtrain.model.build import build_on_meta
+    from memtrain.model.freeze import count_trainable
+
+    model = build_on_meta(recipe.model, model_and_config(recipe))
+    if recipe.model.lora is not None:
+        from memtrain.model.lora import add_lora
+
+        add_lora(model, recipe.model.lora)
+    return count_trainable(model, t.trainable, t.frozen), sum(p.numel() for p in model.parameters())
+
+def model_and_config(recipe, seq_len: Optional[int] = None):
+    """The transformers config the trainer builds for this recipe (tokenizer included)."""
+    from memtrain.model.data import build_tokenizer
+    from memtrain.model.build import build_config
+
+    tokenizer = build_tokenizer(recipe.data.tokenizer)
+    return build_config(recipe.model, tokenizer.vocab_size, seq_len or recipe.data.seq_len)
