@@ -114,3 +114,18 @@ def test_train_sbatch_rendezvous_port_is_below_the_ephemeral_range(tmp_path, job
     assert proc.returncode == 0, proc.stderr
     port = int(srun.split("--rdzv-endpoint=node1:")[1].split()[0])
     assert 10000 <= port < 32768
+
+
+def test_train_sbatch_resumes_from_a_complete_step_even_without_latest(tmp_path):
+    """A requeued job whose first checkpoint was renamed into place but `latest` not yet written (killed in
+    between): the script resumes, as the trainer would from the newest step*, instead of --overwrite setting the
+    work aside; a half-written .tmp-step alone is no checkpoint."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / ".tmp-step00000004").mkdir(parents=True)
+    proc, srun = _sbatch(tmp_path, SLURM_RESTART_COUNT="1")
+    assert proc.returncode == 0 and "--overwrite" in srun and "--resume" not in srun
+    (checkpoints / "step00000002").mkdir()
+    (tmp_path / "srun.args").unlink()
+    (tmp_path / "bin").rename(tmp_path / "bin-first")
+    proc, srun = _sbatch(tmp_path, SLURM_RESTART_COUNT="1")
+    assert proc.returncode == 0 and "--resume" in srun and "--overwrite" not in srun

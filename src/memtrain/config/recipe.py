@@ -129,6 +129,10 @@ class TrainSection(_Strict):
     """Count ZeRO-3's work per step (parameter fetches by layer and phase, all-gathers, DeepSpeed's
     per-step state, aten ops, CPU time: memtrain.train.zero3_probe) into summary.json's `probe`.
     For `make bench-host` and tests; the counting costs host time, so a probed run's tokens/s is not a benchmark."""
+    collective_timeout_s: PositiveFloat = 1800.0
+    """Seconds a collective (all-reduce, all-gather, barrier) may wait for every rank before the run stops with
+    an error: a dead rank or node ends the job within it, never a hang. Long work on one rank (saving, writing
+    final/) must fit; packing the corpus happens before the ranks meet, so it need not (DeepSpeed's default: 600)."""
     trainable: list[str] = Field(default_factory=list)
     """Parameter-name globs that train (e.g. [model.layers.*.mlp.*]); empty: every parameter. The rest is frozen:
     no gradient and no optimizer state (memtrain.model.freeze). `make plan` counts only what trains."""

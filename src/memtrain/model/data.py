@@ -180,7 +180,16 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def prepare_data(cfg: DataSection, seed: int, build: bool = True) -> PackedData:
-    """Tokenize and pack the corpus, or load the cached packing. `build=False` only loads."""
+    """Tokenize and pack the corpus, or load the cached packing. `build=False` only loads.
+
+    Any number of processes may call it at once, on one node or several sharing the cache directory, with
+    no collective: the first to take the cache's file lock packs, the others wait on the lock (not on a
+    collective with a timeout, so a corpus that takes an hour to pack kills nothing) and then load. The
+    packing is written under a name unique to this host and process and moved into place atomically, so a
+    file system without working locks still never shows a partial file."""
+    import fcntl
+    import socket
+
     files = resolve_files(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
     cache_dir = Path(cfg.cache_dir)
@@ -189,20 +198,27 @@ def prepare_data(cfg: DataSection, seed: int, build: bool = True) -> PackedData:
         if not build:
             raise FileNotFoundError(cache_file)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        texts = _read_texts(files, cfg, cache_dir)
-        ids = tokenizer.encode_batch(texts)
-        eos = np.array([tokenizer.eos_token_id], dtype=np.int64)
-        stream = np.concatenate([np.concatenate([x.astype(np.int64), eos]) for x in ids]) if ids else eos[:0]
-        n = len(stream) // cfg.seq_len
-        if n == 0:
-            raise UserError(f"data.paths: {len(files)} file(s) hold {len(stream)} tokens, "
-                            f"fewer than one sequence of data.seq_len={cfg.seq_len}")
-        dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.int32
-        packed = stream[: n * cfg.seq_len].reshape(n, cfg.seq_len).astype(dtype)
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}.npy")
-        np.save(tmp, packed)
-        os.replace(tmp, cache_file)  # atomic: concurrent readers never see a partial file
+        with open(cache_file.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+            if not cache_file.exists():  # another process packed it while this one waited
+                packed = _pack(files, cfg, tokenizer, cache_dir)
+                tmp = cache_file.with_suffix(f".tmp-{socket.gethostname()}-{os.getpid()}.npy")
+                np.save(tmp, packed)
+                os.replace(tmp, cache_file)  # atomic: concurrent readers never see a partial file
     return PackedData(np.load(cache_file, mmap_mode="r"), tokenizer.vocab_size, seed)
+
+
+def _pack(files: list[Path], cfg: DataSection, tokenizer, cache_dir: Path) -> np.ndarray:
+    texts = _read_texts(files, cfg, cache_dir)
+    ids = tokenizer.encode_batch(texts)
+    eos = np.array([tokenizer.eos_token_id], dtype=np.int64)
+    stream = np.concatenate([np.concatenate([x.astype(np.int64), eos]) for x in ids]) if ids else eos[:0]
+    n = len(stream) // cfg.seq_len
+    if n == 0:
+        raise UserError(f"data.paths: {len(files)} file(s) hold {len(stream)} tokens, "
+                        f"fewer than one sequence of data.seq_len={cfg.seq_len}")
+    dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.int32
+    return stream[: n * cfg.seq_len].reshape(n, cfg.seq_len).astype(dtype)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from contextlib import nullcontext
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -24,11 +24,11 @@ from memtrain.model.data import RandomTokens, prepare_data, to_device
 from memtrain.model.freeze import freeze
 from memtrain.model.lora import add_lora
 from memtrain.train.final import save_final
-from memtrain.config.ds_config import AUTO, model_hidden_size, resolve_ds_config, tp_size, zero_stage
+from memtrain.config.ds_config import AUTO, model_hidden_size, offload_device, resolve_ds_config, tp_size, zero_stage
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
 from memtrain.train.optimizer import engine_arguments, own_sections
-from memtrain.errors import EXIT_RUN_FAILED, RunFailed, UserError
+from memtrain.errors import EXIT_RUN_FAILED, RunFailed
 from memtrain.train.faults import (RunPosition, disk_full_message, is_oom, nonfinite_loss_message,
                                    nonfinite_weights_message, oom_message, write_failure)
 from memtrain.model.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
@@ -57,14 +57,23 @@ def single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _share_cpu_cores() -> None:
-    """On CPU, ranks on one node split the cores; oversubscribed threads stall every collective."""
-    if not torch.cuda.is_available():
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-        # Under Slurm a launcher owns only its task's CPUs (several launchers may share a node).
-        # the cores this process may run on (a cgroup, taskset or Slurm binding), not the machine's
-        cores = int(os.environ.get("SLURM_CPUS_PER_TASK", 0)) or len(os.sched_getaffinity(0)) or 1
-        torch.set_num_threads(max(1, cores // local_world))
+def cpu_threads(cuda: bool, host_optimizer: bool, env=os.environ) -> Optional[int]:
+    """Threads for this rank's CPU work: the cores this process may use (a cgroup, taskset or Slurm binding;
+    under Slurm a launcher owns only its task's CPUs) split among the node's ranks. On CPU every op runs there
+    (oversubscribed threads stall every collective); on a GPU node only an offloaded optimizer (DeepSpeed's CPU
+    Adam, OpenMP) does, where torchrun's OMP_NUM_THREADS=1 for several ranks per node would leave it one core.
+    None: leave the launcher's setting."""
+    if cuda and not host_optimizer:
+        return None
+    local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
+    cores = int(env.get("SLURM_CPUS_PER_TASK", 0)) or len(os.sched_getaffinity(0)) or 1
+    return max(1, cores // local_world)
+
+
+def _share_cpu_cores(ds_config: dict) -> None:
+    threads = cpu_threads(torch.cuda.is_available(), offload_device(ds_config, "optimizer") != "none")
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def _skip_shm_comm_op() -> None:
@@ -114,25 +123,6 @@ def _choose_run_dir(args: RunArgs) -> Path:
     chosen = [str(args.run_dir) if args.run_dir else f"runs/{args.recipe.name}-{datetime.now():%Y%m%d-%H%M%S}"]
     dist.broadcast_object_list(chosen, src=0)  # one timestamp for all ranks
     return Path(chosen[0])
-
-
-def _prepare_data_everywhere(recipe):
-    """Each node's first rank packs (and caches) the corpus; the others then load the cache."""
-    import deepspeed.comm as dist
-
-    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-    data, error = None, None
-    if local_first:
-        try:
-            data = prepare_data(recipe.data, recipe.train.seed)
-        except UserError as e:
-            error = str(e)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first_error = next((e for e in errors if e), None)
-    if first_error:
-        raise UserError(first_error)
-    return data or prepare_data(recipe.data, recipe.train.seed, build=False)
 
 
 def train(args: RunArgs) -> dict:
@@ -189,9 +179,13 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     from tqdm import tqdm
 
     signals.install()  # src/train.py did already, first thing; an in-process caller gets it here
-    _share_cpu_cores()
+    _share_cpu_cores(args.ds_config)
     _skip_shm_comm_op()
-    deepspeed.init_distributed(verbose=False)
+    # The corpus is packed before the rendezvous: ranks wait on the cache's file lock, not in a collective
+    # that a long packing would time out (memtrain.model.data.prepare_data).
+    data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
+        prepare_data(recipe.data, t.seed)
+    deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=t.collective_timeout_s))
     rank = dist.get_rank()
     agreement = signals.StopAgreement(world)  # a stop signal on any rank stops all within two steps
     memory_plan = checked.memory_plan
@@ -209,10 +203,6 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls,
                                                       hidden_size=model_hidden_size(config), default_tensorboard=True))
     predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
-    if recipe.data.random_tokens:
-        data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed)
-    else:
-        data = _prepare_data_everywhere(recipe)
     if rank == 0:
         if args.overwrite:  # the earlier run moves aside; deleted once this run saved a model checkpoint
             run_dirs.set_aside(run_dir)
