@@ -11,7 +11,8 @@ import time
 from contextlib import nullcontext
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -161,12 +162,56 @@ def _train_or_report(args: RunArgs, progress: RunPosition) -> dict:
 
 
 def _train(args: RunArgs, progress: RunPosition) -> dict:
+    """A run in three phases: set up (checks, ranks, run directory, engine), the step loop, and the end
+    (model checkpoint, final/, summary.json)."""
+    run = _start(args, progress)
+    steps = _steps(run, progress)
+    return _finish(run, steps)
+
+
+@dataclass
+class _Run:
+    """What the set-up hands to the step loop and the end of the run."""
+
+    args: RunArgs
+    world: int
+    rank: int
+    checked: Any  # memtrain.train.preflight.Checked
+    plan: Any  # the ACPlan every rank runs (rank 0's under policy auto)
+    memory_plan: Any
+    run_dir: Path
+    predicted_peak: Optional[int]
+    data: Any
+    agreement: Any  # signals.StopAgreement
+    engine: Any
+    longctx: Any
+    layout: Any
+
+
+@dataclass
+class _Steps:
+    """What the step loop did."""
+
+    start: int
+    done: int
+    status: str
+    stop_signal: Optional[str]
+    last_loss: float
+    history: list
+    measured_steps: int
+    started: float
+    probe: Any
+
+
+def _start(args: RunArgs, progress: RunPosition) -> _Run:
+    """Every check before any distributed work (the one `make train` runs first), the ranks, the run directory and
+    its plan lines, the model with its AC hooks and the DeepSpeed engine."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     recipe = args.recipe
     t = recipe.train
     world = int(os.environ.get("WORLD_SIZE", 1))
-    device = set_local_device()  # before validation: policy auto times this rank's own device
+    set_local_device()  # before validation: policy auto times this rank's own device
 
     # --- validate everything before any distributed work: the same check `make train` runs first
     checked = check_run(args, world)
@@ -176,7 +221,6 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     single_process_env()
     import deepspeed
     import deepspeed.comm as dist
-    from tqdm import tqdm
 
     signals.install()  # src/train.py did already, first thing; an in-process caller gets it here
     _share_cpu_cores(args.ds_config)
@@ -197,7 +241,6 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         dist.broadcast_object_list(shared, src=0)
         plan, memory_plan = shared
     run_dir = _choose_run_dir(args)
-    checkpoint_dir = run_dir / "checkpoints"
     progress.run_dir = run_dir
     ds_log.buffer()  # DeepSpeed's own log: off the console, to run_dir/deepspeed.log below
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls,
@@ -226,10 +269,22 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
         print("\n".join(longctx.lines), flush=True)
         if number_changed:  # number_checkpoints "auto": the modules matched are known now
             _write_config(run_dir, args, ds_config, world, plan)
-    sp, device = longctx.sp, engine.device  # every tensor that meets a collective lives on `device`
+    return _Run(args, world, rank, checked, plan, memory_plan, run_dir, predicted_peak, data, agreement, engine,
+                longctx, layout)
 
+
+def _steps(run: _Run, progress: RunPosition) -> _Steps:
+    """The training loop, from a resumed step if any; no host-device sync inside a step (see below). Longer than
+    the house's 80 lines on purpose: the steady state and the one boundary that syncs read best side by side."""
+    import deepspeed.comm as dist
+    from tqdm import tqdm
+
+    args, engine, layout, plan, world, rank = run.args, run.engine, run.layout, run.plan, run.world, run.rank
+    recipe, config, run_dir, agreement, data = args.recipe, run.checked.config, run.run_dir, run.agreement, run.data
+    t = recipe.train
+    sp, device = run.longctx.sp, engine.device  # every tensor that meets a collective lives on `device`
     _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
-    start = checkpoint.load(engine, checkpoint_dir) if args.resume else 0  # restores the RNG streams too
+    start = checkpoint.load(engine, run_dir / "checkpoints") if args.resume else 0  # restores the RNG streams too
     progress.step = start
 
     flops_per_token = model_flops_per_token(config, recipe.data.seq_len)
@@ -301,8 +356,8 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
                                 peak_tflops, meter.bytes)
         row.update(scaler_row(engine))
         deadline.check(seconds / steps, rank)
-        if predicted_peak is not None:  # memtrain's prediction, beside the measured figures
-            row["memory/predicted_peak_gib"] = predicted_peak / GIB
+        if run.predicted_peak is not None:  # memtrain's prediction, beside the measured figures
+            row["memory/predicted_peak_gib"] = run.predicted_peak / GIB
         if plan.memtrain_offload:  # host bytes that memtrain's cpu_checkpointing took off the device
             row["memory/offloaded_activation_gib"] = meter.offloaded_bytes / GIB
         if interval_start >= t.metric_warmup_steps or t.max_steps <= t.metric_warmup_steps:
@@ -327,6 +382,17 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     bar.close()
     agreement.close()
 
+    return _Steps(start, done, status, stop_signal, last_loss, history, measured_steps, started, probe)
+
+
+def _finish(run: _Run, steps: _Steps) -> dict:
+    """The last model checkpoint, final/ and summary.json, then the process group closed."""
+    import deepspeed.comm as dist
+
+    args, engine, layout, plan, world, rank = run.args, run.engine, run.layout, run.plan, run.world, run.rank
+    recipe, config, run_dir, memory_plan = args.recipe, run.checked.config, run.run_dir, run.memory_plan
+    t, device, probe, history = recipe.train, engine.device, steps.probe, steps.history
+    start, done, status, last_loss = steps.start, steps.done, steps.status, steps.last_loss
     completed = done if status == "preempted" else t.max_steps
     if t.save_checkpoints and completed > start:  # a stop during start-up trained nothing: nothing to save
         _save_checked(engine, run_dir, completed, t, layout.tp)
@@ -335,21 +401,21 @@ def _train(args: RunArgs, progress: RunPosition) -> dict:
     summary = {
         "status": status,
         "steps": completed,
-        "stop_signal": stop_signal,
+        "stop_signal": steps.stop_signal,
         "final_loss": last_loss,
         "metrics": medians(history, 0),
-        "measured_steps": measured_steps,
+        "measured_steps": steps.measured_steps,
         "world_size": world,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "elapsed_s": time.time() - started,
+        "elapsed_s": time.time() - steps.started,
         "ac_plan": plan.to_dict(),
         "run_dir": str(run_dir),
         "tensorboard": str(run_dir / "tb"),
     }
     summary.update({k.partition("/")[2]: v for k, v in scaler_row(engine).items()})
     summary["skipped_steps"] = int(summary["skipped_steps"])
-    if predicted_peak is not None:
-        summary["predicted_peak_gib"] = predicted_peak / GIB
+    if run.predicted_peak is not None:
+        summary["predicted_peak_gib"] = run.predicted_peak / GIB
     if device.type == "cuda":
         summary["peak_allocated_gib"] = max((r["memory/peak_allocated_gib"] for r in history), default=0.0)
     if memory_plan is not None:
