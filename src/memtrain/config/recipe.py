@@ -90,6 +90,14 @@ class DataSection(_Strict):
     """Read at most this many bytes of text (keeps the default corpus small)."""
     cache_dir: str = ".cache/memtrain"
     """Packed token arrays are cached here, keyed by files, tokenizer and seq_len."""
+    format: Literal["text", "chat", "instruction"] = "text"
+    """text: documents packed end to end, every token trained on. chat: JSONL rows whose `messages_key` holds
+    [{role, content}, ...]; instruction: `prompt_key` / `response_key` columns (a user and an assistant turn).
+    chat and instruction render with the tokenizer's chat template, train on the assistant's tokens only, pack
+    whole samples with positions restarting per sample, and report skipped rows (memtrain.model.chat_data)."""
+    messages_key: str = "messages"
+    prompt_key: str = "prompt"
+    response_key: str = "response"
     random_tokens: bool = False
     """Train on seeded random token ids over the model's vocabulary instead of files (benchmarks:
     throughput and memory do not depend on what the tokens say). No file is read."""

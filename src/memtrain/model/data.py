@@ -30,6 +30,7 @@ class ByteTokenizer:
     name = "byte"
     eos_token_id = 256
     vocab_size = 257
+    hf = None  # no transformers tokenizer, so no chat template
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
@@ -49,6 +50,11 @@ class HFTokenizer:
         eos = self._tok.eos_token_id
         self.eos_token_id = eos if eos is not None else self._tok.sep_token_id
         self.vocab_size = len(self._tok)
+
+    @property
+    def hf(self):
+        """The transformers tokenizer itself (its chat template: memtrain.model.chat_data)."""
+        return self._tok
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         ids = self._tok(texts, add_special_tokens=False)["input_ids"]
@@ -116,12 +122,39 @@ def _read_texts(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[st
     return texts
 
 
+def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dict]:
+    """Chat/instruction rows (JSON lines or parquet) with the columns the format reads."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    keys = [cfg.messages_key] if cfg.format == "chat" else [cfg.prompt_key, cfg.response_key]
+    rows: list[dict] = []
+    for f in files:
+        builder = _BUILDERS.get(f.suffix.lower())
+        if builder is None:
+            raise UserError(f"data.paths: {f}: data.format '{cfg.format}' reads JSON lines or parquet, not "
+                            f"{f.suffix or 'extensionless'} files")
+        try:
+            ds = datasets.load_dataset(builder, data_files=[str(f)], split="train", cache_dir=str(cache_dir / "hf"))
+        except Exception as e:  # a corrupt file surfaces as one of many datasets/arrow errors
+            raise UserError(f"data.paths: cannot read {f}: {str(e).splitlines()[0]}") from None
+        missing = [k for k in keys if k not in ds.column_names]
+        if missing:
+            key = {cfg.messages_key: "messages_key", cfg.prompt_key: "prompt_key"}.get(missing[0], "response_key")
+            raise UserError(f"data.{key}: column '{missing[0]}' not in {f} (columns: {', '.join(ds.column_names)})")
+        rows.extend(ds.select_columns(keys).to_list())
+    return rows
+
+
 def _cache_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
     h = hashlib.sha256()
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     h.update(json.dumps([tokenizer.name, cfg.seq_len, cfg.max_bytes, cfg.text_key]).encode())
+    if cfg.format != "text":  # the rendering depends on the template and the columns too
+        template = getattr(tokenizer.hf, "chat_template", None)
+        h.update(json.dumps([cfg.format, cfg.messages_key, cfg.prompt_key, cfg.response_key, str(template)]).encode())
     return h.hexdigest()[:20]
 
 
@@ -170,42 +203,56 @@ class RandomTokens:
         return torch.randint(0, self.vocab_size, (micro_batch, self.seq_len), generator=generator)
 
 
-def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host batch -> device without blocking the host: pinned memory and a non-blocking copy on the
-    current stream (ordered before the forward that reads it; the caching host allocator keeps the
-    pinned buffer alive until the copy is done)."""
+def to_device(batch, device: torch.device):
+    """Host batch (a tensor, or a dict of them) -> device without blocking the host: pinned memory and a
+    non-blocking copy on the current stream (ordered before the forward that reads it; the caching host
+    allocator keeps the pinned buffer alive until the copy is done)."""
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
     if device.type != "cuda":
         return batch
     return batch.pin_memory().to(device, non_blocking=True)
 
 
-def prepare_data(cfg: DataSection, seed: int, build: bool = True) -> PackedData:
-    """Tokenize and pack the corpus, or load the cached packing. `build=False` only loads.
-
-    Any number of processes may call it at once, on one node or several sharing the cache directory, with
-    no collective: the first to take the cache's file lock packs, the others wait on the lock (not on a
-    collective with a timeout, so a corpus that takes an hour to pack kills nothing) and then load. The
-    packing is written under a name unique to this host and process and moved into place atomically, so a
-    file system without working locks still never shows a partial file."""
-    import fcntl
-    import socket
-
+def prepare_data(cfg: DataSection, seed: int, build: bool = True):
+    """Tokenize and pack the corpus, or load the cached packing (`build=False` only loads): PackedData, or
+    PackedChat for data.format chat / instruction (memtrain.model.chat_data)."""
     files = resolve_files(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
     cache_dir = Path(cfg.cache_dir)
+    if cfg.format != "text":
+        from memtrain.model import chat_data
+
+        chat_data.check_template(tokenizer, cfg)
+        cache_file = cache_dir / f"chat-{_cache_key(files, cfg, tokenizer)}.npz"
+        _build_once(cache_file, build, lambda tmp: chat_data.PackedChat.save(
+            tmp, *chat_data.build(_read_rows(files, cfg, cache_dir), tokenizer, cfg)))
+        return chat_data.PackedChat.load(cache_file, tokenizer.vocab_size, seed)
     cache_file = cache_dir / f"packed-{_cache_key(files, cfg, tokenizer)}.npy"
-    if not cache_file.exists():
-        if not build:
-            raise FileNotFoundError(cache_file)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with open(cache_file.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
-            if not cache_file.exists():  # another process packed it while this one waited
-                packed = _pack(files, cfg, tokenizer, cache_dir)
-                tmp = cache_file.with_suffix(f".tmp-{socket.gethostname()}-{os.getpid()}.npy")
-                np.save(tmp, packed)
-                os.replace(tmp, cache_file)  # atomic: concurrent readers never see a partial file
+    _build_once(cache_file, build, lambda tmp: np.save(tmp, _pack(files, cfg, tokenizer, cache_dir)))
     return PackedData(np.load(cache_file, mmap_mode="r"), tokenizer.vocab_size, seed)
+
+
+def _build_once(cache_file: Path, build: bool, write) -> None:
+    """`cache_file` written once by `write(temporary path)`, however many processes ask at once, on one node or
+    several sharing the cache directory, with no collective: the first to take the cache's file lock builds,
+    the others wait on the lock (not on a collective with a timeout, so a corpus that takes an hour to pack
+    kills nothing) and then load. The file is written under a name unique to this host and process and moved
+    into place atomically, so a file system without working locks still never shows a partial file."""
+    import fcntl
+    import socket
+
+    if cache_file.exists():
+        return
+    if not build:
+        raise FileNotFoundError(cache_file)
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_file.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if not cache_file.exists():  # another process built it while this one waited
+            tmp = cache_file.with_name(f"{cache_file.stem}.tmp-{socket.gethostname()}-{os.getpid()}{cache_file.suffix}")
+            write(tmp)
+            os.replace(tmp, cache_file)
 
 
 def _pack(files: list[Path], cfg: DataSection, tokenizer, cache_dir: Path) -> np.ndarray:

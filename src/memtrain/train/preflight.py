@@ -27,6 +27,7 @@ from memtrain.model.data_check import check_data_files, check_seq_len
 from memtrain.recompute.policy import ACPlan, build_plan
 from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.model.freeze import count_trainable
+from memtrain.model.chat_data import check_template
 from memtrain.model.lora import add_lora
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
@@ -340,11 +341,18 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     try:  # these name a recipe key path; say which recipe too
         check_seq_len(recipe.data)
         files = [] if recipe.data.random_tokens else resolve_files(recipe.data)
-        if files:
+        if files and recipe.data.format == "text":
             check_text(files, recipe.data)
             check_data_files(files, recipe.data)
+        if files:
             run_dirs.check_creatable(Path(recipe.data.cache_dir), "data.cache_dir")
         tokenizer = build_tokenizer(recipe.data.tokenizer)
+        if files and recipe.data.format != "text":  # columns and rows: when packing (memtrain.model.chat_data)
+            check_template(tokenizer, recipe.data)
+            if recipe.parallel.sequence > 1:
+                raise UserError(f"data.format: '{recipe.data.format}' packs samples with positions restarting per "
+                                "sample, which Ulysses sequence parallelism (parallel.sequence > 1) does not keep "
+                                "apart across its slices; use data.format text or parallel.sequence 1")
         config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
         model = build_on_meta(recipe.model, config)  # transformers' own checks of the config values
         if recipe.model.lora is not None:  # the adapted model: its names, layers and what trains

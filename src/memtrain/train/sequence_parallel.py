@@ -80,18 +80,23 @@ class SequenceParallel:
     data_world: int = 1  # how many different batches a step reads
     grad_scale: float = 1.0
 
-    def slice_batch(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def slice_batch(self, batch) -> dict[str, torch.Tensor]:
         """The forward's inputs for this rank: its slice of the sequence, global positions and the
-        labels each position predicts (shifted over the whole sequence before slicing)."""
+        labels each position predicts (shifted over the whole sequence before slicing). `batch` is the
+        token ids (every token a label, positions 0..S-1), or a dict of input_ids, labels and position_ids
+        (chat data: memtrain.model.chat_data)."""
         from memtrain.model.loss import shift
 
-        batch, seq = ids.shape
-        positions = torch.arange(seq, device=ids.device).unsqueeze(0).expand(batch, seq)
+        if isinstance(batch, dict):
+            ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
+        else:
+            ids = labels = batch
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(*ids.shape)
         if self.size == 1:
-            return {"input_ids": ids, "labels": ids, "position_ids": positions}
-        chunk = seq // self.size
+            return {"input_ids": ids, "labels": labels, "position_ids": positions}
+        chunk = ids.shape[1] // self.size
         cut = slice(chunk * self.rank, chunk * (self.rank + 1))
-        return {"input_ids": ids[:, cut], "position_ids": positions[:, cut], "shift_labels": shift(ids)[:, cut]}
+        return {"input_ids": ids[:, cut], "position_ids": positions[:, cut], "shift_labels": shift(labels)[:, cut]}
 
     def reduce_loss(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The group's token-weighted mean loss from this rank's summed loss and labelled-token count.

@@ -21,7 +21,8 @@ from memtrain.train import checkpoint
 from memtrain.train import run_dir as run_dirs
 from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
-from memtrain.model.data import RandomTokens, prepare_data, to_device
+from memtrain.model.chat_data import PackedChat, report_line
+from memtrain.model.data import PackedData, RandomTokens, prepare_data, to_device
 from memtrain.model.freeze import freeze
 from memtrain.model.lora import add_lora
 from memtrain.train.final import save_final
@@ -256,6 +257,8 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
             print(f"  {line}", flush=True)
         if checked.trainable:
             print(checked.trainable, flush=True)
+        if isinstance(data, PackedChat):  # what was packed, how full the rows are, what was skipped and why
+            print(report_line(data.report, recipe.data), flush=True)
         if memory_plan is not None:
             print(memory_plan.describe(), flush=True)
         for warning in checked.warnings:
@@ -309,6 +312,10 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     # next boundary (`is_boundary`), where one all-reduce carries them and the stop flags, and one
     # read brings them to the host: the NaN check, the stop agreement and logging happen there.
     step_losses: list[torch.Tensor] = []
+    # chat/instruction rows end in padding: tokens/s and MFU count the real tokens, summed over the data ranks in
+    # the boundary's all-reduce (each rank of a TP/SP group read the same batch: dp_size / world of each counts)
+    count_real = not isinstance(data, (RandomTokens, PackedData))
+    interval_tokens = 0
     interval_start = start
     reset_device_peak()
     timer.start()
@@ -320,8 +327,10 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
         count_ops = probe is not None and step == start + 2  # one step, after ZeRO-3 recorded its trace
         with OpCounter() if count_ops else nullcontext() as ops:
             for micro in range(t.grad_accum_steps):
-                ids = to_device(data.batch(step, micro, layout.dp_rank, layout.dp_size, t.micro_batch_size,
-                                           t.grad_accum_steps), device)
+                batch = data.batch(step, micro, layout.dp_rank, layout.dp_size, t.micro_batch_size, t.grad_accum_steps)
+                if count_real:
+                    interval_tokens += batch.pop("tokens")
+                ids = to_device(batch, device)
                 with meter.measure() if measure and micro == 0 else nullcontext():
                     loss = engine(**sp.slice_batch(ids)).loss
                 engine.backward(loss)
@@ -338,11 +347,12 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
 
         # --- boundary: one all-reduce, one host read
         seconds = timer.stop()
-        stats = torch.cat([torch.stack(step_losses), torch.tensor(signals.one_hot(), device=device)])
+        counted = [interval_tokens * layout.dp_size / world] if count_real else []
+        stats = torch.cat([torch.stack(step_losses), torch.tensor(signals.one_hot() + counted, device=device)])
         dist.all_reduce(stats)
         values = stats.tolist()
         losses = [v / (world * t.grad_accum_steps) for v in values[:len(step_losses)]]
-        stopped = agreed or signals.names(values[len(step_losses):])
+        stopped = agreed or signals.names(values[len(step_losses):len(values) - len(counted)])
         bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
         if bad is not None:  # stop before anything saves it; the last checkpoint stays good
             progress.step = interval_start + bad
@@ -350,7 +360,8 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
         last_loss = losses[-1]
         progress.step = done
         steps = done - interval_start
-        row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, tokens_per_step, world,
+        real_per_step = values[-1] / steps if count_real else tokens_per_step
+        row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, real_per_step, world,
                                 layout.dp_size * t.micro_batch_size * t.grad_accum_steps, flops_per_token,
                                 hardware_flops_per_token,
                                 peak_tflops, meter.bytes)
@@ -368,7 +379,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
         engine.monitor.write_events([(tag, value, done) for tag, value in row.items()])
         bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{row.get('throughput/tokens_per_s', 0):,.0f}",
                         act_gib=f"{row['memory/activation_gib']:.3f}")
-        step_losses, interval_start = [], done
+        step_losses, interval_start, interval_tokens = [], done, 0
         if stopped:
             stop_signal = signals.received() or stopped[0]  # for summary.json, on every rank
             status = "preempted"

@@ -1,0 +1,177 @@
+"""Chat and instruction data: rendered by the tokenizer's chat template, loss on the assistant's tokens only, packed whole.
+
+`data.format: chat` reads JSONL rows whose `data.messages_key` column holds a list of `{role, content}`
+messages; `instruction` reads `data.prompt_key` / `data.response_key` columns as one user and one
+assistant turn. Each sample is rendered with the local tokenizer's own chat template; its labels are
+-100 everywhere but on the tokens each assistant turn adds (found by rendering the conversation up to
+the turn with the generation prompt, and with the turn: the difference is the assistant's). Samples are
+packed whole, first fit in file order, into rows of `data.seq_len`; position ids restart at 0 for each
+sample, so transformers' attention keeps samples apart (it reads packed sequences from the positions),
+and a row's unused tail is padding with label -100. A sample that cannot be used (no assistant turn,
+malformed messages, a template that does not render the conversation as a prefix of its continuation,
+longer than a row) is counted by reason and reported in one line, never dropped silently.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memtrain.config.recipe import DataSection
+from memtrain.errors import UserError
+
+IGNORE = -100
+
+
+def check_template(tokenizer, cfg: DataSection) -> None:
+    """One line when the format needs a chat template the tokenizer lacks."""
+    template = getattr(tokenizer.hf, "chat_template", None)
+    if not template:
+        what = "memtrain's byte tokenizer" if cfg.tokenizer == "byte" else f"the tokenizer in {cfg.tokenizer}"
+        raise UserError(f"data.format: '{cfg.format}' renders samples with the tokenizer's chat template, and "
+                        f"{what} has none; set data.tokenizer to a local tokenizer directory whose "
+                        "tokenizer_config.json has a chat_template")
+
+
+def _messages(row: dict, cfg: DataSection):
+    if cfg.format == "instruction":
+        prompt, response = row.get(cfg.prompt_key), row.get(cfg.response_key)
+        if not isinstance(prompt, str) or not isinstance(response, str) or not response:
+            return None, "no prompt or response"
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], None
+    messages = row.get(cfg.messages_key)
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in messages):
+        return None, "malformed messages"
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, "no assistant turn"
+    return [{"role": m["role"], "content": m["content"]} for m in messages], None
+
+
+def encode_sample(tok, messages: list[dict]):
+    """(token ids, mask of the tokens an assistant turn adds), or None when the template does not render each
+    assistant turn as an extension of the conversation before it."""
+    def render(msgs, prompt=False):
+        return list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=prompt)["input_ids"])
+
+    ids = render(messages)
+    mask = np.zeros(len(ids), dtype=bool)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, upto = render(messages[:i], prompt=True), render(messages[:i + 1])
+        if upto[:len(before)] != before or ids[:len(upto)] != upto:
+            return None
+        mask[len(before):len(upto)] = True
+    return np.asarray(ids, dtype=np.int64), mask
+
+
+def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int):
+    """Whole samples into rows, first fit in order: (ids, labels, positions) [rows, seq_len], and each row's real
+    (not padding) token count [rows]."""
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    free: list[int] = []
+    for sample in samples:
+        n = len(sample[0])
+        slot = next((r for r, left in enumerate(free) if left >= n), None)
+        if slot is None:
+            rows.append([]), free.append(seq_len)
+            slot = len(rows) - 1
+        rows[slot].append(sample)
+        free[slot] -= n
+    ids = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
+    labels = np.full((len(rows), seq_len), IGNORE, dtype=np.int64)
+    positions = np.zeros((len(rows), seq_len), dtype=np.int64)
+    real = np.array([seq_len - left for left in free], dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for x, mask in row:
+            ids[r, at:at + len(x)] = x
+            labels[r, at:at + len(x)] = np.where(mask, x, IGNORE)
+            positions[r, at:at + len(x)] = np.arange(len(x))
+            at += len(x)
+        positions[r, at:] = np.arange(seq_len - at)  # the padding: a segment of its own
+    return ids, labels, positions, real
+
+
+def build(texts_rows: list[dict], tokenizer, cfg: DataSection) -> tuple[tuple[np.ndarray, ...], dict]:
+    """Packed arrays and the report of what was used and skipped."""
+    tok = tokenizer.hf
+    samples, skipped = [], Counter()
+    for row in texts_rows:
+        messages, why = _messages(row, cfg)
+        encoded = None if messages is None else encode_sample(tok, messages)
+        if messages is not None and encoded is None:
+            why = "template not prefix-stable"
+        elif encoded is not None and len(encoded[0]) > cfg.seq_len:
+            why, encoded = "longer than data.seq_len", None
+        if encoded is None:
+            skipped[why] += 1
+        else:
+            samples.append(encoded)
+    if not samples:
+        raise UserError(f"data.paths: no usable {cfg.format} sample in {len(texts_rows)} row(s) "
+                        f"({_skipped_text(skipped)})")
+    arrays = pack(samples, cfg.seq_len, tokenizer.eos_token_id)
+    real = int(sum(len(x) for x, _ in samples))
+    report = {"samples": len(samples), "rows": len(arrays[0]), "real_tokens": real,
+              "trained_tokens": int(sum(m.sum() for _, m in samples)), "skipped": dict(skipped)}
+    return arrays, report
+
+
+def _skipped_text(skipped: dict) -> str:
+    return ", ".join(f"{n:,} {why}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1])) or "none skipped"
+
+
+def report_line(report: dict, cfg: DataSection) -> str:
+    """The plan line: what was packed, how full the rows are, what was skipped and why."""
+    total = report["rows"] * cfg.seq_len
+    skipped = sum(report["skipped"].values())
+    return (f"data: {cfg.format}, {report['samples']:,} samples in {report['rows']:,} rows of {cfg.seq_len:,} tokens "
+            f"({100 * report['real_tokens'] / total:.0f}% real, {100 * report['trained_tokens'] / total:.0f}% "
+            f"trained on); skipped {skipped:,} of {report['samples'] + skipped:,}"
+            + (f": {_skipped_text(report['skipped'])}" if skipped else ""))
+
+
+@dataclass
+class PackedChat:
+    """Packed chat/instruction rows with their labels and positions; the same batch interface as PackedData
+    (a pure function of the position: resume-exact), returning the forward's inputs and the real-token count."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    positions: np.ndarray
+    real: np.ndarray  # per row: tokens that are not padding (what tokens/s and MFU count)
+    vocab_size: int
+    seed: int
+    report: dict
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> dict:
+        n = len(self.ids)
+        first = ((step * grad_accum + micro) * world + rank) * micro_batch
+        rows = []
+        for g in range(first, first + micro_batch):
+            epoch, pos = divmod(g, n)
+            if getattr(self, "_perm", (None,))[0] != epoch:
+                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+            rows.append(self._perm[1][pos])
+        return {"input_ids": torch.from_numpy(self.ids[rows]), "labels": torch.from_numpy(self.labels[rows]),
+                "position_ids": torch.from_numpy(self.positions[rows]), "tokens": int(self.real[rows].sum())}
+
+    @staticmethod
+    def save(path: Path, arrays: tuple[np.ndarray, ...], report: dict) -> None:
+        ids, labels, positions, real = arrays
+        with open(path, "wb") as f:
+            np.savez(f, ids=ids, labels=labels, positions=positions, real=real, report=np.array(json.dumps(report)))
+
+    @classmethod
+    def load(cls, path: Path, vocab_size: int, seed: int) -> "PackedChat":
+        with np.load(path) as f:
+            return cls(f["ids"], f["labels"], f["positions"], f["real"], vocab_size, seed, json.loads(str(f["report"])))

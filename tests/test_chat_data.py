@@ -1,0 +1,144 @@
+"""data.format chat / instruction (memtrain.model.chat_data): labels only on the assistant's tokens, samples packed
+whole with no attention across them, bad rows counted in one line, and a trainer run that counts real tokens."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, _env
+from memtrain.config.recipe import ModelSection, load_recipe
+from memtrain.errors import UserError
+from memtrain.model import chat_data
+from memtrain.model.build import build_config, build_model
+from memtrain.model.data import build_tokenizer, prepare_data, save_tokenizer
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+            "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TWO_TURNS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "4"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A local byte-level tokenizer with a chat template (what a user's tokenizer directory holds)."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    save_tokenizer("byte", d)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(d)
+    return d
+
+
+def _model(seq=64):
+    section = ModelSection(type="llama", config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                                 "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                 "max_position_embeddings": 128})
+    torch.manual_seed(0)
+    return build_model(section, build_config(section, vocab_size=257, seq_len=seq)).eval()
+
+
+def test_labels_are_the_assistants_tokens_and_the_loss_is_theirs(tokenizer_dir):
+    tok = build_tokenizer(str(tokenizer_dir))
+    ids, mask = chat_data.encode_sample(tok.hf, TWO_TURNS)
+    text = bytes(int(i) for i in ids if i < 256).decode()
+    assert text == "<|system|>be brief<|user|>hi<|assistant|>hello<|user|>2+2?<|assistant|>4"
+    trained = [int(i) for i in ids[mask]]
+    assert trained == [*b"hello", 256, *b"4", 256]  # each assistant turn and its end-of-turn token, nothing else
+    # the model's loss on these labels equals the mean cross-entropy over the assistant tokens, by hand
+    ids_t = torch.from_numpy(ids).unsqueeze(0)
+    labels = torch.where(torch.from_numpy(mask), ids_t, torch.tensor(-100)).unsqueeze(0)[0:1]
+    model = _model()
+    with torch.no_grad():
+        out = model(input_ids=ids_t, labels=labels)
+        logp = torch.log_softmax(out.logits[0].float(), -1)
+        targets = [t for t in range(1, len(ids)) if mask[t]]
+        by_hand = -sum(logp[t - 1, ids[t]] for t in targets) / len(targets)
+    assert out.loss.item() == pytest.approx(by_hand.item(), rel=1e-5)
+
+
+def test_packed_samples_do_not_attend_to_each_other(tokenizer_dir):
+    """Two samples in one row, positions restarting: each one's logits equal those of the sample run alone."""
+    tok = build_tokenizer(str(tokenizer_dir))
+    a = chat_data.encode_sample(tok.hf, TWO_TURNS[1:3])
+    b = chat_data.encode_sample(tok.hf, [{"role": "user", "content": "why"}, {"role": "assistant", "content": "so"}])
+    ids, labels, positions, real = chat_data.pack([a, b], 64, tok.eos_token_id)
+    assert ids.shape == (1, 64) and real.tolist() == [len(a[0]) + len(b[0])]
+    assert (labels[0, real[0]:] == -100).all() and positions[0, len(a[0])] == 0  # b restarts at 0
+    model = _model()
+    with torch.no_grad():
+        packed = model(input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(positions)).logits[0]
+        alone_b = model(input_ids=torch.from_numpy(b[0]).unsqueeze(0)).logits[0]
+    start = len(a[0])
+    assert (packed[start:start + len(b[0])] - alone_b).abs().max().item() < 1e-4
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_bad_rows_are_counted_in_one_line_and_formats_are_checked(tokenizer_dir, tmp_path):
+    rows = [{"messages": TWO_TURNS}] * 5 + [
+        {"messages": [{"role": "user", "content": "no reply"}]},
+        {"messages": "not a list"},
+        {"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "long"}]}]
+    data = _write(tmp_path / "chat.jsonl", rows)
+    recipe = load_recipe(None, [f"data.paths=[{data}]", "data.format=chat", f"data.tokenizer={tokenizer_dir}",
+                                "data.seq_len=128", f"data.cache_dir={tmp_path / 'cache'}"])
+    packed = prepare_data(recipe.data, 0)
+    assert packed.report["samples"] == 5 and packed.report["skipped"] == {
+        "no assistant turn": 1, "malformed messages": 1, "longer than data.seq_len": 1}
+    line = chat_data.report_line(packed.report, recipe.data)
+    assert "\n" not in line and line.startswith("data: chat, 5 samples in ") and "skipped 3 of 8: " in line
+    batch = packed.batch(0, 0, 0, 1, 2, 1)
+    assert set(batch) == {"input_ids", "labels", "position_ids", "tokens"}
+    one = len(chat_data.encode_sample(build_tokenizer(str(tokenizer_dir)).hf, TWO_TURNS)[0])
+    assert packed.report["real_tokens"] == 5 * one and int(packed.real.sum()) == 5 * one  # padding is not counted
+    assert batch["tokens"] == 2 * one and batch["input_ids"].shape == (2, 128)  # one sample per 128-token row
+    # instruction rows: prompt and response columns, one user and one assistant turn
+    inst = _write(tmp_path / "inst.jsonl", [{"prompt": "say hi", "response": "hi"}, {"prompt": "x", "response": ""}])
+    recipe = load_recipe(None, [f"data.paths=[{inst}]", "data.format=instruction", f"data.tokenizer={tokenizer_dir}",
+                                "data.seq_len=64", f"data.cache_dir={tmp_path / 'cache'}"])
+    packed = prepare_data(recipe.data, 0)
+    assert packed.report["samples"] == 1 and packed.report["skipped"] == {"no prompt or response": 1}
+    with pytest.raises(UserError, match=r"^data.messages_key: column 'turns' not in "):
+        prepare_data(load_recipe(None, [f"data.paths=[{data}]", "data.format=chat", "data.messages_key=turns",
+                                        f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={tmp_path / 'c2'}"]).data, 0)
+    with pytest.raises(UserError, match=r"^data.format: 'chat' renders samples with the tokenizer's chat template, "
+                                        r"and memtrain's byte tokenizer has none"):
+        prepare_data(load_recipe(None, [f"data.paths=[{data}]", "data.format=chat"]).data, 0)
+
+
+def test_trainer_trains_on_chat_rows_and_counts_real_tokens(tokenizer_dir, tmp_path):
+    """One process through src/train.py: the plan says what was packed and skipped; tokens/s counts the rows'
+    real tokens, not their padding."""
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " * (1 + i % 5)},
+                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(40)]
+    rows.append({"messages": [{"role": "user", "content": "unanswered"}]})
+    data = _write(tmp_path / "chat.jsonl", rows)
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), "--deepspeed",
+                           str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--run-dir", str(run),
+                           "--set", f"data.paths=[{data}]", "--set", "data.format=chat",
+                           "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.seq_len=128",
+                           "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.micro_batch_size=2",
+                           "--set", "train.max_steps=4", "--set", "train.log_every=4",
+                           "--set", "train.metric_warmup_steps=0", "--set", "train.save_checkpoints=false"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "data: chat, 40 samples in " in proc.stdout and "skipped 1 of 41: 1 no assistant turn" in proc.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    recipe = load_recipe(None, [f"data.paths=[{data}]", "data.format=chat", f"data.tokenizer={tokenizer_dir}",
+                                "data.seq_len=128", f"data.cache_dir={tmp_path / 'cache'}"])
+    packed = prepare_data(recipe.data, recipe.train.seed)  # the rows the run read, in its order
+    real = [packed.batch(s, 0, 0, 1, 2, 1)["tokens"] for s in range(4)]
+    m = summary["metrics"]
+    per_step = m["throughput/tokens_per_s"] * m["time/step_s"]  # one interval of the 4 steps
+    assert per_step == pytest.approx(sum(real) / 4, rel=1e-6) and per_step < 2 * 128  # real tokens, not 256
