@@ -112,7 +112,7 @@ def test_activation_peak_matches_a_real_step(tiny):
         assert mm.predict(profile, NO_STATES, plan).saved_activations == pytest.approx(meter.bytes, rel=0.01), plan
 
 
-STATE_CASES = ["1", "1+opt", "2", "2+opt", "3", "3+opt", "3+opt+param", "2+frozen", "3+frozen"]
+STATE_CASES = ["1", "1+opt", "2", "2+opt", "3", "3+opt", "3+opt+param", "2+frozen", "3+frozen", "3+opt+param+frozen"]
 
 
 def test_model_states_match_deepspeed_per_term(tmp_path):
@@ -122,8 +122,9 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
     Each rank, each case, each term of model_states on its own: exact (measured so), but the
     ZeRO-1/2 gradient partition within 5% (rank 0's holds 65 KB more than n/world, rank 1's 256
     bytes; not traced to its source; with the embedding and attention frozen 114 KB and 66 KB, within 10%),
-    and nothing left over that no term counts. Frozen weights (train.frozen, ZeRO-2 and -3): parameters
-    as before, gradients and Adam states for the trainable ones only, exact under ZeRO-3. The ZeRO-3
+    and nothing left over that no term counts. Frozen weights (train.frozen, ZeRO-2 and -3, and ZeRO-3 with the
+    optimizer and parameters offloaded): parameters as before, gradients and Adam states for the trainable ones
+    only, exact under ZeRO-3. The ZeRO-3
     gathered set is sampled at every module's forward. A bound, not an equality: the ZeRO-1/2
     reduction's flatten copy (the model counts a whole bucket; the real copy is what of it one
     rank's partition holds)."""
@@ -162,6 +163,9 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         for stage in ("2", "3"):  # frozen weights: parameters stay, their gradients and Adam states are gone
             full, frozen = result[stage]["measured"], result[f"{stage}+frozen"]["measured"]
             assert frozen["params"] == full["params"] and frozen["adam"] < 0.7 * full["adam"], (rank, stage)
+        # with the optimizer and parameters offloaded, the host holds Adam states of the trainable parameters only
+        offloaded, offloaded_frozen = result["3+opt+param"]["measured"], result["3+opt+param+frozen"]["measured"]
+        assert offloaded_frozen["host"] < 0.8 * offloaded["host"] and offloaded_frozen["adam"] == 0, rank
 
 
 def test_dp_is_exact_and_beats_uniform_policies(tiny):
