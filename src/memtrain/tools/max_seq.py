@@ -62,11 +62,10 @@ def _choices(choice: str, num_layers: int, skip_last: int) -> tuple[str, ...]:
     return (choice,) * num_layers
 
 
-def _largest(ok, hi: int) -> int:
-    """Largest n in [1, hi] with ok(n), ok monotone; 0 if none."""
-    if not ok(1):
+def largest(ok, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with ok(n) (ok monotone: true up to some n, false after), or 0: a binary search."""
+    if not ok(lo):
         return 0
-    lo = 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
@@ -107,8 +106,8 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
                     def host(tokens):
                         return (pred(tokens).host_activations + states.host) * ranks_per_node
 
-                    dev_t = _largest(lambda t: pred(t).peak <= budget, limit // sp)
-                    host_t = _largest(lambda t: host(t) <= host_budget, limit // sp) if choice.endswith(OFFLOAD) \
+                    dev_t = largest(lambda t: pred(t).peak <= budget, 1, limit // sp)
+                    host_t = largest(lambda t: host(t) <= host_budget, 1, limit // sp) if choice.endswith(OFFLOAD) \
                         or states.host else limit // sp
                     tokens = min(dev_t, host_t)
                     row = {"policy": name, "loss": loss, "tiled_mlp": tiled, "sequence_parallel": sp,

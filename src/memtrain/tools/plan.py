@@ -22,6 +22,7 @@ from memtrain.memory.profile import MODULES, ActivationProfile, profile_activati
 from memtrain.memory.rates import measure_rates
 from memtrain.memory.states import model_states
 from memtrain.memory.target import make_target, model_and_config, recompute_spec
+from memtrain.tools.max_seq import largest
 from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, may_offload, predicted_plan, smallest_peak, what_fits)
 
 POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
@@ -52,16 +53,6 @@ def _fits(profile: ActivationProfile, states, choices, budget: int, uniform: Opt
     if uniform is not None:
         return predict(profile, states, (uniform,) * profile.num_layers).peak <= budget
     return feasible(profile, activation_limit(profile, states, choices, budget), choices, states.backward) is not None
-
-
-def _largest(ok, lo: int, hi: int) -> int:
-    """The largest n in [lo, hi] with ok(n) (ok monotone), or 0."""
-    if not ok(lo):
-        return 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return lo
 
 
 def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str], budget: Optional[int]) -> dict:
@@ -133,9 +124,9 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
             continue
         if budget is not None:
             row["fits"] = pred.peak <= budget if uniform else report["auto"]["fits"]
-            row["max_micro_batch"] = _largest(lambda mb: _fits(profile.scaled(mb), states, choices, budget, uniform),
+            row["max_micro_batch"] = largest(lambda mb: _fits(profile.scaled(mb), states, choices, budget, uniform),
                                               1, 4096)
-            row["max_seq_len"] = _largest(lambda s: _fits(profile_at_seq(*long_profile, s), states, choices,
+            row["max_seq_len"] = largest(lambda s: _fits(profile_at_seq(*long_profile, s), states, choices,
                                                           budget, uniform), 1, max_pos)
         report["policies"][choice] = row
     return report

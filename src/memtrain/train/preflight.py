@@ -31,7 +31,7 @@ from memtrain.model.chat_data import check_template
 from memtrain.model.lora import add_lora
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
-from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys,
+from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log
 from memtrain.errors import ArgumentParser, UserError, cli_entry
@@ -61,15 +61,6 @@ class Checked:
     zero3: Zero3Layout = Zero3Layout()  # leaf layers and residency under ZeRO-3 (memtrain.config.zero3)
     spec: RecomputeSpec = RecomputeSpec()  # the activation-checkpointing decision (memtrain.config.recompute_spec)
     trainable: str = ""  # train.trainable / train.frozen: the plan line saying what trains (memtrain.model.freeze)
-
-
-def _get(cfg: dict, dotted: str) -> tuple[bool, Any]:
-    node: Any = cfg
-    for k in dotted.split("."):
-        if not isinstance(node, dict) or k not in node:
-            return False, None
-        node = node[k]
-    return True, node
 
 
 def _suggest(key: str, allowed, cutoff: float = 0.6) -> str:
@@ -135,12 +126,12 @@ def check_ds_json(cfg: dict, source: str) -> list[str]:
         if section in cfg and not isinstance(cfg[section], dict):
             raise UserError(f"{source}: {section}: expected an object {{...}}, got {json.dumps(cfg[section])}")
     for a in AUTO_KEYS:
-        present, value = _get(cfg, a.key)
+        present, value = has(cfg, a.key), get(cfg, a.key)
         if present and value != AUTO and not a.check(value):
             raise UserError(f"{source}: {a.key}: expected {a.allowed} or \"auto\", got {json.dumps(value)}")
     ds_checks.check_unfilled_auto(cfg, source)
     for key, integer in DIVISORS.items():  # DeepSpeed divides by these mid-run (a ZeroDivisionError in every worker)
-        present, value = _get(cfg, key)
+        present, value = has(cfg, key), get(cfg, key)
         if present and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
                             and (not integer or float(value).is_integer())):
             raise UserError(f"{source}: {key}: expected a positive {'integer' if integer else 'number'} "
@@ -229,7 +220,7 @@ def _optimizer_and_scheduler(raw: dict, resolved: dict, source: str, recipe=None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         auto = [f"{a.key.rpartition('.')[2]} comes from {a.source}" for a in AUTO_KEYS
                 if a.key.startswith("scheduler.params.") and a.key.rpartition(".")[2] in first
-                and _get(raw, a.key) == (True, AUTO)]
+                and get(raw, a.key) == AUTO]
         raise UserError(f"{source}: scheduler.params: DeepSpeed's {name} rejects them: {first}"
                         + (f" ({'; '.join(auto)})" if auto else "")) from None
 
@@ -386,7 +377,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     if resume is not None:
         check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
     hidden = model_hidden_size(config)
-    needs_model = [a.key for a in AUTO_KEYS if a.needs_model and _get(args.ds_config, a.key) == (True, AUTO)]
+    needs_model = [a.key for a in AUTO_KEYS if a.needs_model and get(args.ds_config, a.key) == AUTO]
     if needs_model and hidden is None:
         raise UserError(f"{source}: {needs_model[0]}: \"auto\" is sized by the model's hidden_size, which its "
                         "config does not have; write a number")
