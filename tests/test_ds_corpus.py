@@ -145,7 +145,9 @@ def test_runs_are_quiet_and_recorded(trained):
         assert all("launch.py" in line or "runner.py" in line or "real_accelerator" in line
                    for line in worker_lines), worker_lines
         assert "Writing model shards" not in proc.stdout + proc.stderr  # final/ is written quietly
-        assert (run_dir / "deepspeed.log").is_file()
+        # one writer per log file: rank 0 the run's deepspeed.log, rank 1 its own
+        assert "[rank 1]" not in (run_dir / "deepspeed.log").read_text()
+        assert "[rank 1]" in (run_dir / "logs" / "deepspeed.rank1.log").read_text()
         config = json.loads((run_dir / "config.json").read_text())["deepspeed"]
         assert auto_paths(config) == [], name
         if name.startswith("noopt"):  # what memtrain built for the missing sections is on record

@@ -44,11 +44,16 @@ def buffer() -> None:
         logger.addHandler(logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1))
 
 
+def log_path(run_dir: Path, rank: int) -> Path:
+    """One writer per file: rank 0 writes run_dir/deepspeed.log, rank r run_dir/logs/deepspeed.rank<r>.log
+    (appends from many ranks, on several nodes, to one file on a shared file system interleave or clobber)."""
+    return Path(run_dir) / ("deepspeed.log" if rank == 0 else f"logs/deepspeed.rank{rank}.log")
+
+
 def to_file(run_dir: Path, rank: int) -> Path:
-    """Send DeepSpeed's logger to run_dir/deepspeed.log (every rank appends, lines say which),
-    with what `buffer` held first."""
+    """Send DeepSpeed's logger to this rank's own file (`log_path`), with what `buffer` held first."""
     logger = _logger()
-    path = Path(run_dir) / "deepspeed.log"
+    path = log_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a")
     handler.setFormatter(logging.Formatter(f"[%(asctime)s] [rank {rank}] [%(levelname)s] "

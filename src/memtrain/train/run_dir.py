@@ -16,7 +16,7 @@ from typing import Optional
 
 from memtrain.errors import UserError
 
-RUN_ENTRIES = ("config.json", "summary.json", "checkpoints", "tb", "csv", "final", "deepspeed.log")  # what a run writes
+RUN_ENTRIES = ("config.json", "summary.json", "checkpoints", "tb", "csv", "final", "deepspeed.log", "logs")  # what a run writes
 ASIDE = ".overwritten"
 
 _set_aside: set[Path] = set()  # run dirs this process moved aside (only its own are rolled back)
