@@ -264,15 +264,17 @@ def test_sqrt_offloads_every_segment_head_but_the_last(base9, ids, backend):
         calls.clear()
         alive = {}
         (grads, device_bytes, host_bytes, _), = _steps(
-            model, ids, 1, after_forward=lambda: alive.update({i: ref() is not None for i, ref in calls}))
+            model, ids, 1, after_forward=lambda: alive.update(
+                {i: ref() is not None for i, ref in reversed(calls)}))  # each layer's first call: the loop's
         for name, g in grads.items():
             assert torch.equal(g, ref_grads[name]), f"step {step}: {name}"
         # measured: the described number of segment inputs left the device, nothing else did
         assert host_bytes == n_host * HIDDEN_BYTES
         assert device_bytes + host_bytes == ref_bytes
         # which ones: the described heads' inputs were freed after the forward, the last head's was
-        # not (a head is called once, by the model's loop: a segment's other layers run inside it)
-        assert [i for i, _ in calls if i in plan.offload_units] == [0, 3, 6]
+        # not. The model's loop calls every layer; a segment's last layer runs the others inside its call
+        # (the forward), and the backward's recompute runs them again, last segment first
+        assert [i for i, _ in calls] == [0, 1, 2, 0, 1, 3, 4, 5, 3, 4, 6, 7, 8, 6, 7] + [6, 7, 3, 4, 0, 1]
         assert [i for i in plan.offload_units if alive[i]] == [6]
         assert off.live_bytes == 0
     assert off.offloaded == 2 * n_host and off.prefetch_misses == 0

@@ -99,7 +99,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     return {"variant": variant, "policy": policy, "backend": backend, "plan_backend": plan.backend,
             "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads,
             "frozen": sorted(before), "frozen_changed": changed, "optimizer_numel": optimizer_numel,
-            "trainable_line": checked.trainable, "reference": reference}
+            "trainable_line": next(line for line in (*checked.model_lines, "") if line.startswith("trainable")), "reference": reference}
 
 
 def _plain_peft_grads(module, recipe, config, world, rank):

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, KEEP, MLP
+from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP
 from memtrain.recompute.hooks import apply_plan, find_sublayer, remove_plan
 from memtrain.memory import tensor_parallel
 from memtrain.memory.tracker import ActivationMeter, StepTracker
@@ -163,6 +163,12 @@ def _run(model, modes, target: Target) -> dict:
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post, with_kwargs=True))
 
+    # A parameter's gradient lives from the op that makes it until autograd accumulates it into .grad; from
+    # there on it is the model states' (ZeRO hands it to its reduce buckets): dropped at accumulation here.
+    # Gradients made in the forward (the fused loss, torch's linear_cross_entropy, computes lm_head's full
+    # weight gradient there and holds it through the backward) count as an activation-like transient too.
+    handles += [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+                for p in model.parameters() if p.requires_grad]
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (target.micro_batch_size, target.seq_len), device=device)
     meter = ActivationMeter()
@@ -179,17 +185,8 @@ def _run(model, modes, target: Target) -> dict:
         for h in handles:
             h.remove()
         remove_plan(model)
-    # Parameter gradients count with the model states, except a gradient made in the forward: the
-    # fused loss (torch's linear_cross_entropy) computes lm_head's full weight gradient there and
-    # holds it through the backward, an activation-like transient the model states do not hold.
-    backward_start = tracker.marks["backward"][0]
-    grads = {serial for p in model.parameters() if p.grad is not None
-             for serial in [tracker.serial(p.grad.untyped_storage())] if serial is None or serial >= backward_start}
-    for p in model.parameters():
-        p.grad = None
-    return {"curve": tracker.curve(grads), "marks": tracker.marks, "saved": meter.bytes,
-            "input_bytes": state["input_bytes"],
-            "largest_block": max((d for d, s in tracker.events if s not in grads), default=0)}
+    return {"curve": tracker.curve(), "marks": tracker.marks, "saved": meter.bytes,
+            "input_bytes": state["input_bytes"], "largest_block": max((d for d, _ in tracker.events), default=0)}
 
 
 def fake_model(config, num_layers: int, target: Target):
@@ -327,10 +324,17 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> Activati
         for mode in modes:
             runs[mode] = _run(model, (mode,), target)
         two_keep = _run(fake_model(config, 2, target), (KEEP, KEEP), target)
+        deeper = [two_keep] + ([_run(fake_model(config, 2, target), (FULL, FULL), target)] if FULL in modes else [])
     outside_saved = 2 * runs[KEEP]["saved"] - two_keep["saved"]
     keep = _layer_cost(runs[KEEP], outside_saved)
     layers = {mode: _layer_cost(run, outside_saved, keep) for mode, run in runs.items()}
     run = runs[KEEP]  # the parts around the layers do not depend on the layers' mode
+    # ... but on which layer kinds the model has, and on what the last layer keeps of its output: what the head
+    # leaves alive for the backward (`head_net`) is the largest over the modes, and over 2-layer runs, whose
+    # layers hold what every layer kind needs (Gemma-2 alternates sliding-window and full-attention layers:
+    # a 1-layer model frees the full mask after its forward, a deeper one keeps it for the recompute)
+    head_net = max([_live(r, "bwd_start0") - _live(r, "fwd_end0") for r in runs.values()]
+                   + [_live(r, "bwd_start1") - _live(r, "fwd_end1") for r in deeper])
     return ActivationProfile(
         target=target,
         num_layers=config.num_hidden_layers,
@@ -341,9 +345,9 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> Activati
         outside_saved=outside_saved,
         base=_live(run, "fwd_start0"),
         head_excess=_peak(run, "fwd_end0", "bwd_start0") - _live(run, "fwd_end0"),
-        head_net=_live(run, "bwd_start0") - _live(run, "fwd_end0"),
+        head_net=head_net,
         tail_excess=_peak(run, "bwd_end0", "end") - _live(run, "bwd_end0"),
-        largest_block=max(r["largest_block"] for r in (*runs.values(), two_keep)),
+        largest_block=max(r["largest_block"] for r in (*runs.values(), *deeper)),
     )
 
 

@@ -130,10 +130,6 @@ class StepTracker(TorchDispatchMode):
         self.sweep()
         self.marks[name] = (len(self.events), self.flops(), self.written)
 
-    def serial(self, storage) -> Optional[int]:
-        entry = self._live.get(storage._cdata)
-        return entry[2] if entry else None
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {t.untyped_storage()._cdata for t in _tensors((*args, *kwargs.values()))}
@@ -166,11 +162,10 @@ class StepTracker(TorchDispatchMode):
         self.written += nbytes
         self.events.append((nbytes, serial))
 
-    def curve(self, exclude: set[int]) -> list[int]:
-        """Live bytes after each event, leaving out the storages in `exclude` (parameter gradients)."""
+    def curve(self) -> list[int]:
+        """Live bytes after each event."""
         live, out = 0, [0]
-        for delta, serial in self.events:
-            if serial not in exclude:
-                live += delta
+        for delta, _ in self.events:
+            live += delta
             out.append(live)
         return out

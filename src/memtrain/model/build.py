@@ -9,6 +9,7 @@ from torch import nn
 
 from memtrain.errors import UserError, not_utf8
 from memtrain.config.recipe import ModelSection
+from memtrain.model.moe import route_experts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +66,7 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
             raise UserError(f"model.config{'.' + named[0] if named else ''}: {message}") from None
         _check_dropout(section.config)
     config.use_cache = False  # training never reads the KV cache
+    route_experts(config)  # MoE: torch's grouped matmul for bf16, transformers' fallback op otherwise
     return config
 
 

@@ -209,6 +209,20 @@ def _register_flop_formulas() -> None:
                 return 2 * a_shape[0] * a_shape[1] * b_shape[1]
             return 2 * math.prod(out_shape) * a_shape[-1]
 
+    # transformers' fallback for it (memtrain.model.moe: MoE experts in fp32/fp16), a custom op: (S, k) @ (E, k, n)
+    # by offs -> (S, n) forward; its backward computes the input's and the weights' gradients, twice that
+    import transformers.integrations.moe  # noqa: F401  (defines the transformers:: ops)
+
+    ops = torch.ops.transformers
+    if ops.grouped_mm_fallback not in flop_registry:
+        @register_flop_formula(ops.grouped_mm_fallback)
+        def _fallback_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+            return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+
+        @register_flop_formula(ops.grouped_mm_fallback_backward)
+        def _fallback_backward_flop(a_shape, b_shape, offs_shape, grad_shape, *args, out_shape=None, **kwargs) -> int:
+            return 4 * a_shape[0] * a_shape[1] * b_shape[2]
+
     # SDPA: the CPU flash kernel (torch counts only the CUDA ones), and grouped-query shapes for all
     # of them (torch < 2.13, e.g. the 2.11 of the GPU image, asserts on K/V with fewer heads than Q;
     # the kernels broadcast K/V to the query heads, so that is what is counted). Replacing torch's

@@ -21,6 +21,7 @@ the forward's.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import types
 import warnings as _warnings
@@ -248,53 +249,84 @@ def _hidden(out):
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
-def _same(a, b) -> bool:
-    (la, sa), (lb, sb) = tree_flatten(a), tree_flatten(b)
-    return sa == sb and all(x is y or (not isinstance(x, torch.Tensor) and x == y) for x, y in zip(la, lb))
-
-
 class _Segment:
-    """Layers [start, stop) recomputed as one unit. The first layer runs them all inside one
-    checkpoint (so only the segment input is kept); the model's loop then calls the others,
-    which pass the segment output through."""
+    """Layers [start, stop) recomputed as one unit, each with its own arguments. The model's loop calls
+    them in turn: every layer but the last records its arguments and passes the segment input through;
+    the last runs them all inside one checkpoint (so only the segment input is kept), each layer with
+    the arguments the loop gave it (Gemma-2's alternating sliding-window and full masks, Gemma-3's
+    per-type rotary embeddings).
+
+    A layer that returns a tuple (Falcon's (hidden, attention weights)) passes through a tuple of the
+    same shape. Its forward's return annotation says which (`-> torch.Tensor` in most transformers 5
+    families); where it does not, one forward of the head under no_grad (its RNG state restored) shows
+    it, once per run. The model's loop only reads the hidden state of a layer it did not ask attention of."""
 
     def __init__(self, layers: list, checkpoint: Callable) -> None:
         self.layers, self.checkpoint = layers, checkpoint
         self.inside = False
-        # of the latest forward: (args after the hidden state, kwargs, the output's hidden-state
-        # storage address and shape, the output's other elements or None for a bare tensor). Not
-        # the output itself: it is the next unit's input, which offload must be able to free.
-        self.last = None
+        self.input = None  # the segment input, while its layers are being called
+        self.calls = []  # (function, arguments after the hidden state) of the layers called so far
+        self.rest = None  # what a tuple-returning layer returns after its hidden state; () for a bare tensor
 
-    def _run(self, function, kwargs, *args):
-        out = function(*args)
+    def _run(self, calls, *args):
         self.inside = True
         try:
-            for layer in self.layers[1:]:  # through __call__: module hooks (ZeRO-3 gathering) run
-                out = layer(_hidden(out), *args[1:], **kwargs)
+            out = None
+            for layer, (function, rest) in zip(self.layers, calls):
+                given = args if out is None else (_hidden(out), *rest)
+                # all but the last through __call__: module hooks (ZeRO-3 gathering) run; the last is the
+                # layer whose call runs the segment: its hooks already ran
+                out = function(*given) if layer is self.layers[-1] else layer(*given, **function.keywords)
         finally:
             self.inside = False
         return out
 
-    def head(self, function, *args):
-        kwargs = function.keywords  # transformers passes partial(forward, layer, **kwargs)
-        _retain((), kwargs)
-        out = self.checkpoint(functools.partial(self._run, function, kwargs), *args)
-        hidden = _hidden(out)
-        self.last = (args[1:], kwargs, hidden.untyped_storage().data_ptr(), hidden.shape,
-                     None if isinstance(out, torch.Tensor) else (type(out), tuple(out[1:])))
-        return out
-
-    def follower(self, function, *args):
+    def call(self, function, *args):
         if self.inside:
             return function(*args)
-        rest, kwargs, data_ptr, shape, others = self.last
-        if not (_same(args[1:], rest) and _same(function.keywords, kwargs) and args[0].shape == shape
-                and args[0].untyped_storage().data_ptr() == data_ptr):
-            raise UserError("activation_checkpointing.policy: sqrt segments need the layers of a segment to get the "
-                            "same arguments and each other's outputs unchanged; this model passes per-layer "
-                            "arguments or changes hidden states between layers: use policy full or segment_len: 1")
-        return args[0] if others is None else others[0]((args[0], *others[1]))
+        layer = function.args[0]  # transformers passes partial(forward, layer, **kwargs)
+        if layer is self.layers[0]:
+            self.calls, self.input = [], args[0]
+        # a later layer gets what the one before passed through: the segment input, or (ZeRO-3's hooks wrap
+        # module outputs) a tensor on its storage
+        elif len(self.calls) >= len(self.layers) or layer is not self.layers[len(self.calls)] \
+                or not _same_tensor(args[0], self.input):
+            self.calls, self.input = [], None
+            raise UserError("activation_checkpointing.policy: sqrt segments need the model to call a segment's "
+                            "layers in order, each with the previous one's output unchanged; this model does not "
+                            "(it changes hidden states between layers): use policy full or segment_len: 1")
+        self.calls.append((function, args[1:]))
+        if len(self.calls) < len(self.layers):
+            if self.rest is None:
+                self.rest = _output_rest(function, args)
+            return args[0] if self.rest == () else (args[0], *self.rest)
+        calls, self.calls, self.input = self.calls, [], None
+        for later, rest in calls[1:]:
+            _retain(rest, later.keywords)
+        _retain((), calls[0][0].keywords)
+        # the segment input as the last layer got it (through the pass-throughs: the backward reaches each
+        # layer's module hooks, as without recompute) and the head's other arguments go in positionally (the
+        # checkpoint keeps them, offload may move them); the other layers' arguments stay bound in `calls`,
+        # as transformers binds keywords in `function`
+        return self.checkpoint(functools.partial(self._run, calls), args[0], *calls[0][1])
+
+
+def _same_tensor(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and \
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset()
+
+
+def _output_rest(function, args) -> tuple:
+    """What a layer returns after its hidden state: () for a bare tensor, else the tuple's other elements
+    (from its annotation, or a forward under no_grad with the RNG state restored so dropout draws stay those
+    of the real run)."""
+    if inspect.signature(function.func).return_annotation in (torch.Tensor, "torch.Tensor"):
+        return ()
+    devices = [t.device for t in args if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    with torch.no_grad(), torch.random.fork_rng(devices=devices[:1], device_type=devices[0].type if devices
+                                                 else "cuda"):
+        out = function(*args)
+    return () if isinstance(out, torch.Tensor) else tuple(out[1:])
 
 
 def _checkpointed_forward(self, *args, **kwargs):
@@ -412,9 +444,8 @@ def apply_plan(model: nn.Module, plan: ACPlan) -> list[str]:
             _checkpoint_module(units[-1], checkpoint_function(plan, i, offloader))
     for start, stop in plan.segments:
         segment = _Segment(list(layers[start:stop]), checkpoint_function(plan, start, offloader))
-        layers[start]._gradient_checkpointing_func = segment.head
-        for layer in layers[start + 1:stop]:
-            layer._gradient_checkpointing_func = segment.follower
+        for layer in layers[start:stop]:
+            layer._gradient_checkpointing_func = segment.call
     named = dict(model.named_modules())
     taken = {n for n, m in named.items() if any(m is u for u in units)}
     warnings, matched = [], []

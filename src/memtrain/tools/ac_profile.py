@@ -42,7 +42,7 @@ from memtrain.memory.tracker import ActivationMeter, StepTracker
 DEFAULT_OUT = "reports/ac_profile.csv"
 CPU_SEQ_LEN = 128  # default profile shape: min(recipe seq_len, this) x batch 1
 COLUMNS = ("policy", "layers", "activation_bytes", "peak_backward_bytes", "flops_total", "recompute_overhead",
-           "max_grad_rel_err")
+           "max_grad_rel_err", "note")  # note: why a policy is n/a for this model
 
 
 @dataclass
@@ -82,7 +82,7 @@ def measure_step(model: nn.Module, plan: ACPlan, input_ids: torch.Tensor, *, see
             loss.backward()
         live.sweep()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return StepCost(meter.bytes, max(live.curve(set())), flops.get_total_flops(), loss.item(), grads)
+    return StepCost(meter.bytes, max(live.curve()), flops.get_total_flops(), loss.item(), grads)
 
 
 def max_rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -122,13 +122,17 @@ def _fmt_bytes(n: int) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = ["policy", "layers", "act MiB", "peak bwd MiB", "GFLOP", "recompute", "max grad err"]
-    body = [[r["policy"], r["layers"], _fmt_bytes(r["activation_bytes"]), _fmt_bytes(r["peak_backward_bytes"]),
-             f"{r['flops_total'] / 1e9:,.2f}", f"{r['recompute_overhead']:+.1%}", f"{r['max_grad_rel_err']:.1e}"]
-            for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    def cells(r):
+        return [r["policy"], r["layers"], _fmt_bytes(r["activation_bytes"]), _fmt_bytes(r["peak_backward_bytes"]),
+                f"{r['flops_total'] / 1e9:,.2f}", f"{r['recompute_overhead']:+.1%}", f"{r['max_grad_rel_err']:.1e}"]
+
+    body = [cells(r) if r["layers"] != "n/a" else [r["policy"], "n/a: " + r["note"]] for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *(b for b in body if len(b) == len(head)))]
+    widths[0] = max([widths[0]] + [len(b[0]) for b in body])
     line = lambda cells: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+    body = [line(b) if len(b) == len(head) else f"{b[0].ljust(widths[0])}  {b[1]}" for b in body]
+    return "\n".join([line(head), line(["-" * w for w in widths]), *body])
 
 
 def profile(recipe, policies: Optional[list[str]], seq_len: int, batch: int) -> tuple[list[dict], str]:
@@ -153,7 +157,13 @@ def profile(recipe, policies: Optional[list[str]], seq_len: int, batch: int) -> 
     rows, ref, ref_grads = [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         for plan in tqdm(plans, desc="ac-profile", unit="policy", file=sys.stderr, dynamic_ncols=True):
-            cost = measure_step(model, plan, ids, seed=recipe.train.seed)
+            try:
+                cost = measure_step(model, plan, ids, seed=recipe.train.seed)
+            except UserError as e:  # a policy this model cannot take (OPT has no MLP sublayer): one row says why
+                if ref is None:
+                    raise
+                rows.append({"policy": label(plan), "layers": "n/a", "note": str(e).split(": ", 1)[-1]})
+                continue
             if ref is None:  # the reference gradients wait on disk (memory-mapped): a 1B model's are 4 GiB
                 torch.save(cost.grads, Path(tmp) / "ref.pt")
                 ref, ref_grads = cost, torch.load(Path(tmp) / "ref.pt", mmap=True)

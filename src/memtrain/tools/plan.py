@@ -17,6 +17,7 @@ from typing import Optional
 from memtrain.recompute.policy import build_plan
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.units import GIB, parse_size
+from memtrain.model.moe import experts_line
 from memtrain.memory.predict import OFFLOAD, choice_mode, predict, predict_plan
 from memtrain.memory.profile import MODULES, ActivationProfile, profile_activations
 from memtrain.memory.rates import measure_rates
@@ -75,6 +76,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
         "model_states": {**asdict(states), "total": states.total},
         "policies": {}, "budget": budget,
         "allocator_margin_note": "measured as 0 on an H100 (memory.predict.ALLOCATOR_MARGIN)",
+        "experts": experts_line(config, target.dtype),
     }
     long_profile = None
     if budget is not None:
@@ -174,6 +176,7 @@ def format_report(r: dict) -> str:
            if t.get("tp", 1) > 1 else ""),
         "activations measured on fake tensors, one decoder layer per mode, scaled by the layer count; "
         f"rates {r['rates_note']}",
+        *([r["experts"]] if r.get("experts") else []),
         "",
         f"model states per device: {g(ms['total'])} GiB = parameters {g(ms['params'])} + gradients {g(ms['grads'])}"
         f" + optimizer states {g(ms['optimizer'])}"

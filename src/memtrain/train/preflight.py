@@ -29,6 +29,8 @@ from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.model.freeze import count_trainable
 from memtrain.model.chat_data import check_template
 from memtrain.model.lora import add_lora
+from memtrain.model.moe import experts_line
+from memtrain.memory.target import compute_dtype
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
@@ -60,7 +62,8 @@ class Checked:
     memory_plan: Any = None  # policy auto: memtrain.memory.planner.PlanResult (prediction and choice)
     zero3: Zero3Layout = Zero3Layout()  # leaf layers and residency under ZeRO-3 (memtrain.config.zero3)
     spec: RecomputeSpec = RecomputeSpec()  # the activation-checkpointing decision (memtrain.config.recompute_spec)
-    trainable: str = ""  # train.trainable / train.frozen: the plan line saying what trains (memtrain.model.freeze)
+    # plan lines about the model: what trains (memtrain.model.freeze), which expert matmul an MoE runs (model.moe)
+    model_lines: tuple[str, ...] = ()
 
 
 def _suggest(key: str, allowed, cutoff: float = 0.6) -> str:
@@ -393,7 +396,9 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
                  for key in spec.ignored_by_torch]
     if memory_plan is None and recipe.activation_checkpointing.memory_budget is not None:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")
-    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, trained)
+    experts = experts_line(config, compute_dtype(args.ds_config, run_device()))
+    model_lines = tuple(line for line in (trained, experts) if line)
+    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, model_lines)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -255,8 +255,8 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
         print(plan.describe(), flush=True)
         for line in checked.zero3.lines:
             print(f"  {line}", flush=True)
-        if checked.trainable:
-            print(checked.trainable, flush=True)
+        for line in checked.model_lines:
+            print(line, flush=True)
         if isinstance(data, PackedChat):  # what was packed, how full the rows are, what was skipped and why
             print(report_line(data.report, recipe.data), flush=True)
         if memory_plan is not None:
