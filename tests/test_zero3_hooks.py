@@ -1,6 +1,7 @@
 """Recompute under ZeRO-3 runs no ZeRO-3 hook: counted from DeepSpeed's own coordinator and collectives on 2 gloo
 ranks (one launch of tests/zero3_worker.py, the trainer's engine set-up), with gradients unchanged."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, _env, _free_port
+from families import FAMILIES
 
 STEADY = 2  # the coordinator records its trace in the first step, uses it from the second
 
@@ -23,6 +25,7 @@ def cases(tmp_path_factory):
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     cases = {(c["variant"], c["policy"], c["backend"]): (c, ranks[1][i]) for i, c in enumerate(ranks[0])}
     cases["init"] = [json.loads((out / f"init{r}.json").read_text()) for r in range(2)]
+    cases["families"] = [json.loads((out / f"families{r}.json").read_text()) for r in range(2)]
     return cases
 
 
@@ -169,7 +172,7 @@ def test_layout_keeps_parameters_resident_only_where_nothing_is_sharded():
     assert off.persistence_threshold == 0 and "residency: off" in off.lines[1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "phi3", "olmo2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_zero3_build_gets_the_models_own_init(cases, family):
     """Built under zero.Init (2 ranks) and initialised on gathered parameters as transformers' ZeRO-3 path does,
     also where the init indexes a weight (the padding row of Gemma's, Phi-3's, OLMo-2's embedding): each
@@ -181,3 +184,21 @@ def test_zero3_build_gets_the_models_own_init(cases, family):
         assert std == pytest.approx(plain_std, rel=0.15, abs=1e-6), name
         assert mean == pytest.approx(plain_mean, abs=0.01), name
         assert pad == plain_pad, name  # None, or 0.0: the padding row zeroed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_under_zero3(cases, family):
+    """3 steps of each family's tiny model on 2 ranks under ZeRO-3 (tests/zero3_worker.py FAMILY_POLICIES: every
+    policy somewhere, sqrt with per-layer arguments, MoE in fp32), set up as src/train.py does. The first loss is
+    that of a model initialised as transformers initialises it: near ln(vocab) (a std-1.0 init is far off)."""
+    from zero3_worker import FAMILY_POLICIES
+
+    rank0, rank1 = (cases["families"][r][family] for r in (0, 1))
+    assert rank0["policy"] == FAMILY_POLICIES[family]
+    losses = rank0["losses"] + rank1["losses"]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses
+    assert rank0["losses"][0] == pytest.approx(math.log(257), abs=0.3)
+    moe = [line for line in rank0["model_lines"] if line.startswith("moe experts:")]
+    assert moe == (["moe experts: transformers' grouped_mm fallback, a matmul per expert (float32: torch's grouped "
+                    "matmul takes bf16 only); set model.dtype: bfloat16 for the grouped kernel"]
+                   if family in ("mixtral", "qwen2_moe", "qwen3_moe") else [])

@@ -99,7 +99,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     return {"variant": variant, "policy": policy, "backend": backend, "plan_backend": plan.backend,
             "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads,
             "frozen": sorted(before), "frozen_changed": changed, "optimizer_numel": optimizer_numel,
-            "trainable_line": next(line for line in (*checked.model_lines, "") if line.startswith("trainable")), "reference": reference}
+            "trainable_line": next((line for line in checked.model_lines if line.startswith("trainable")), ""), "reference": reference}
 
 
 def _plain_peft_grads(module, recipe, config, world, rank):
@@ -134,13 +134,45 @@ def _optimizer_numel(optimizer) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for group in groups for p in group)
 
 
-# families whose init indexes a weight (an embedding's padding_idx row): built under zero.Init, then initialised
-INIT_FAMILIES = {
-    "llama": {"head_dim": 16},
-    "gemma": {"head_dim": 16, "pad_token_id": 0},
-    "phi3": {"pad_token_id": 0},
-    "olmo2": {"pad_token_id": 0},
-}
+# every family of the matrix (tests/families.py): built under zero.Init, then initialised; Gemma's, Phi-3's and
+# OLMo-2's init indexes a weight (the embedding's padding_idx row)
+from families import FAMILIES, overrides  # noqa: E402  (tests/ is this script's directory)
+
+# each family trains 3 steps under ZeRO-3 with one policy; together they take every policy, the layers' own
+# arguments in sqrt segments (Gemma-2, Gemma-3) and the MoE experts in fp32
+FAMILY_POLICIES = {"llama": "full", "qwen2": "op", "qwen3": "selective:attn", "mistral": "every:2", "gemma": "sqrt",
+                   "gemma2": "sqrt", "gemma3_text": "sqrt", "phi3": "selective:mlp", "olmo2": "full", "gpt2": "op",
+                   "gpt_neox": "full", "opt": "selective:attn", "falcon": "sqrt", "starcoder2": "selective:mlp",
+                   "granite": "op", "mixtral": "full", "qwen2_moe": "sqrt", "qwen3_moe": "selective:mlp"}
+
+
+def family_steps(family, out_dir, rank, world) -> dict:
+    """3 training steps of the family's tiny model with its policy, set up as src/train.py does: the losses
+    (all-reduced by the engine's loss, the same on every rank), the plan's policy and its model lines."""
+    from memtrain.config.args import parse_args
+    from memtrain.config.ds_config import model_hidden_size, resolve_ds_config
+    from memtrain.train.preflight import check_run
+    from memtrain.train.trainer import build_engine
+
+    sets = [*overrides(family), "data.seq_len=32", "train.micro_batch_size=2", "data.random_tokens=true",
+            f"activation_checkpointing.policy={FAMILY_POLICIES[family]}"]
+    args = parse_args(["--deepspeed", json_for("leaf", out_dir, rank), *sum((["--set", o] for o in sets), [])])
+    checked = check_run(args, world)
+    ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
+                                                      checked.plan.checkpoint_calls,
+                                                      hidden_size=model_hidden_size(checked.config)))
+    engine, _, _, _ = build_engine(args.recipe, checked.config, checked.plan, ds_config, args.ds_config, checked.spec)
+    torch.manual_seed(7 + rank)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, checked.config.vocab_size, (2, 32))
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return {"policy": checked.plan.policy, "losses": losses, "model_lines": list(checked.model_lines),
+            "leaf_layers": checked.zero3.leaf_layers}
 
 
 def init_stats(rank):
@@ -153,21 +185,20 @@ def init_stats(rank):
 
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     out = {}
-    for family, extra in INIT_FAMILIES.items():
-        section = ModelSection(type=family, config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                                    "num_attention_heads": 4, "num_key_value_heads": 2,
-                                                    "max_position_embeddings": 256, **extra})
+    for family, config in FAMILIES.items():
+        section = ModelSection(type=family, config=config)
         config = build_config(section, vocab_size=257, seq_len=32)
         torch.manual_seed(0)
         zero3 = build_model_zero3(section, config, ds)
         torch.manual_seed(0)
         plain = build_model(section, config)
         stats = {}
-        pad = getattr(config, "pad_token_id", None)
+        embedding = zero3.get_input_embeddings()  # its padding_idx row, where it has one, is zero
+        pad = embedding.padding_idx
         for (name, p), q in zip(zero3.named_parameters(), plain.parameters()):
             with deepspeed.zero.GatheredParameters([p]):
                 full = p.detach().clone()
-            row = lambda t: float(t[pad].abs().max()) if pad is not None and "embed" in name else None  # noqa: E731
+            row = lambda t: float(t[pad].abs().max()) if pad is not None and p is embedding.weight else None  # noqa: E731,B023
             stats[name] = [[float(full.float().std()) if full.numel() > 1 else 0.0, float(full.float().mean()), row(full)],
                            [float(q.float().std()) if q.numel() > 1 else 0.0, float(q.float().mean()), row(q.detach())]]
         out[family] = stats
@@ -187,6 +218,8 @@ def main() -> None:
     results = [run_case(*case, out_dir, rank, world) for case in CASES]
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     (out_dir / f"init{rank}.json").write_text(json.dumps(init_stats(rank)))
+    (out_dir / f"families{rank}.json").write_text(json.dumps({f: family_steps(f, out_dir, rank, world)
+                                                              for f in FAMILIES}))
     dist.barrier()
 
 

@@ -23,6 +23,7 @@ def build_model_zero3(section: ModelSection, config, ds_config: dict) -> nn.Modu
     import deepspeed
     from transformers.integrations.deepspeed import initialize_weights_zero3, prevent_arange_dtype_change
 
+    _import_model_class(config)
     if section.pretrained:
         return _load_pretrained_zero3(section, config, ds_config)
 
@@ -57,6 +58,17 @@ def _load_pretrained_zero3(section: ModelSection, config, ds_config: dict) -> nn
         unset_hf_deepspeed_config()
         del registered
     return model
+
+
+def _import_model_class(config) -> None:
+    """Import the family's modeling module before zero.Init is entered. zero.Init wraps the `__init__` of every
+    module class defined while it is active and puts back, on exit, the `__init__` the class was defined with.
+    transformers imports a family's module on first use and decorates some classes after their definition
+    (`use_experts_implementation` wraps the MoE experts' `__init__` to keep the config): a module first imported
+    inside zero.Init loses those wrappers for the rest of the process (MixtralExperts without `config`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the lazy mapping imports the module
 
 
 @contextmanager
