@@ -79,8 +79,8 @@ def zero3_layout(raw: dict, layer_class: type, largest_param: int, data_parallel
     qualified = f"{layer_class.__module__}.{layer_class.__qualname__}"
     user = _user_leaf_setting(raw)
     if segments and not user:
-        # A segment's later layers run (and are recomputed) inside the first one's checkpoint, through
-        # their own ZeRO-3 hooks; DeepSpeed's leaf-module gradient hook then fires for them twice.
+        # A segment's layers run (and are recomputed) inside one checkpoint, through their own ZeRO-3
+        # hooks; DeepSpeed's leaf-module gradient hook then fires for them twice.
         leaf = ""
         lines.append(f"zero3 leaf modules: none: sqrt segments run several {layer_class.__name__}s inside one "
                      "checkpoint, so ZeRO-3 keeps hooking each submodule (fetches repeat inside the recompute)")

@@ -32,7 +32,7 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
             close = difflib.get_close_matches(section.type, list(CONFIG_MAPPING.keys()), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise UserError(f"model.type: unknown transformers model type '{section.type}'{hint}")
-        default = CONFIG_MAPPING[section.type]()
+        default = _quiet_default(CONFIG_MAPPING[section.type])
         known = set(default.to_dict()) | set(getattr(default, "attribute_map", {})) | {"attn_implementation"}
         for key in section.config:
             if key not in known:
@@ -68,6 +68,19 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
     config.use_cache = False  # training never reads the KV cache
     route_experts(config)  # MoE: torch's grouped matmul for bf16, transformers' fallback op otherwise
     return config
+
+
+def _quiet_default(config_class):
+    """The family's default config, for its key names and defaults only: transformers' warnings about it
+    (StarCoder2's default bos/eos ids outside its default vocabulary) are not about the user's model."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        return config_class()
+    finally:
+        logging.set_verbosity(level)
 
 
 def _check_dropout(values: dict) -> None:

@@ -45,8 +45,8 @@ PREFETCH_DEPTH = 2  # offloaded layers copied back ahead of the recompute that n
 
 def offload_units(recomputed, segments=()) -> tuple[int, ...]:
     """The layers whose call is one checkpoint, i.e. one saved input: an offload unit. Every
-    recomputed layer is one, except inside a segment, which is one unit started by its head
-    (the other layers of a segment run inside the head's checkpoint and keep no input)."""
+    recomputed layer is one, except inside a segment, which is one unit named by its first layer
+    (the segment runs as one checkpoint, which keeps the segment's input: the first layer's)."""
     inside = {i for start, stop in segments for i in range(start + 1, stop)}
     return tuple(i for i, r in enumerate(recomputed) if r and i not in inside)
 
@@ -54,7 +54,7 @@ def offload_units(recomputed, segments=()) -> tuple[int, ...]:
 def offload_flags(recomputed, cpu_checkpointing: bool, skip_last: int, every: bool = False,
                   segments=()) -> tuple[bool, ...]:
     """Per layer, whether the checkpoint call it makes sends its input to host: every offload unit
-    (`offload_units`: a recomputed layer, or a segment's head) but the last `skip_last` units (the
+    (`offload_units`: a recomputed layer, or a segment's first layer) but the last `skip_last` units (the
     backward needs those first, before a copy back could overlap anything); with `every`, all of
     them (DeepSpeed's own CPU_CHECKPOINT has no per-call choice)."""
     order = offload_units(recomputed, segments)

@@ -65,7 +65,8 @@ class ACPlan:
 
     @property
     def offload_units(self) -> tuple[int, ...]:
-        """The layers that make one checkpoint call each (a recomputed layer, or a segment's head):
+        """The offload units, one per checkpoint call, each named by a layer (a recomputed layer, or a segment's
+        first layer, whose input is the segment's):
         the units `offload` chooses among. Policy 'modules' has none here: its units are the
         matched modules, known once the plan meets the model (`apply_plan`)."""
         return offload_units([m != KEEP for m in self.layers], self.segments)
