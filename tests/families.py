@@ -32,6 +32,9 @@ FAMILIES = {
 }
 # the one policy a family's layers cannot take, and the start of the line that says so
 REFUSED = {("opt", "selective:mlp"): "OPTDecoderLayer has no mlp sublayer"}
+# what DeepSpeed's AutoTP cannot shard (0.19.8), and why: one line before workers start
+AUTOTP_REFUSED = {"phi3": "rowwise_split_input", "olmo2": "rowwise_split_input", "gpt2": "has no policy for gpt2",
+                  "mixtral": "moe_tp_experts", "qwen2_moe": "moe_tp_experts", "qwen3_moe": "moe_tp_experts"}
 
 
 def overrides(family: str) -> list[str]:

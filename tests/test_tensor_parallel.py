@@ -16,6 +16,7 @@ from pathlib import Path
 import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
 import pytest
 
+from families import AUTOTP_REFUSED, FAMILIES, overrides
 from conftest import ROOT, _env, _free_port
 from memtrain.train import preflight
 
@@ -194,3 +195,23 @@ def test_unsharded_model_is_one_line():
     check_sharded(model, 1)
     with pytest.raises(UserError, match="AutoTP sharded no layer of LlamaForCausalLM"):
         check_sharded(model, 2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_autotp_takes_trains_as_tp1(tp, family):
+    """AutoTP=2 under ZeRO-3 (full recompute, partitioned checkpoints) against a plain TP=1 copy, 2 AdamW steps in
+    lock-step (tp_worker.check_families); a family AutoTP cannot shard is one line naming why, before workers."""
+    from memtrain.config.args import parse_args
+    from memtrain.errors import UserError
+    from memtrain.train.preflight import check_run
+
+    argv = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json"),
+            *sum((["--set", o] for o in [*overrides(family), "data.random_tokens=true"]), [])]
+    if family in AUTOTP_REFUSED:
+        with pytest.raises(UserError, match=rf"tensor_parallel.autotp_size: DeepSpeed's AutoTP .*{AUTOTP_REFUSED[family]}"):
+            check_run(parse_args(argv), 2)
+        return
+    check_run(parse_args(argv), 2)
+    row = tp["families"][family]
+    assert row["tp_layers"] > 0
+    assert row["losses"] == pytest.approx(row["ref_losses"], rel=1e-4), row

@@ -8,6 +8,8 @@ Checks, in order (the trainer last: it closes the process group):
   parity_z1/z3     AutoTP=2 against a single-process TP=1 reference, 5 AdamW steps, same batches, clipped alike
   partition        checkpointed-input bytes per rank (autograd graph walk, analytic) and gradients, partition on/off
   hidden_states    output_hidden_states with partitioning on keeps full-shape layer inputs
+  families         every family of tests/families.py that AutoTP takes: AutoTP=2 under ZeRO-3 against a plain TP=1
+                   copy of the same weights, 2 AdamW steps in lock-step (the second loss follows the first's gradients)
   trainer          src/train.py's train() with TP=2 + partition: tokens counted once (one measured interval), the plan line
 """
 from __future__ import annotations
@@ -153,6 +155,58 @@ def check_parity(stage: int) -> None:
     engine.destroy()
 
 
+def check_families() -> None:
+    """Each family AutoTP can shard (the others are one line before workers start: test_tensor_parallel), ZeRO-3,
+    full recompute on DeepSpeed's checkpoint with partitioned inputs: losses of 2 lock-step AdamW steps."""
+    import deepspeed
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from families import AUTOTP_REFUSED, FAMILIES
+
+    out = {}
+    for family in FAMILIES:
+        if family in AUTOTP_REFUSED:
+            continue
+        section = ModelSection(type=family, config=FAMILIES[family])
+        config = build_config(section, VOCAB, SEQ)
+        layers = config.num_hidden_layers
+        torch.manual_seed(0)
+        cfg = ds_config(3, 2, {"partition_activations": True})
+        model = build_model_zero3(section, config, cfg)
+        ref = build_model(section, config)
+        ref.load_state_dict(gathered_state(model, 3))
+        spec = spec_for(cfg)
+        plan = build_plan(spec, layers)
+        apply_plan(model, plan)
+        model.train()
+        ref.train()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        layout = parallel.layout(engine)
+        configure_deepspeed_ac(spec, layers, partition.tp_mpu(plan, layout.tp))
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        data = RandomTokens(VOCAB, SEQ, 11)
+        losses, ref_losses = [], []
+        for step in range(2):
+            ids = data.batch(step, 0, layout.dp_rank, layout.dp_size, MBS, 1)
+            torch.manual_seed(step)  # the same dropout masks (GPT-NeoX, OPT, Falcon have dropout keys)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            torch.manual_seed(step)
+            ref_loss = ref(input_ids=ids, labels=ids).loss
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            ref_losses.append(ref_loss.item())
+        out[family] = {"losses": losses, "ref_losses": ref_losses,
+                       "tp_layers": sum(isinstance(m, TensorParallel_Layer) for m in engine.module.modules())}
+        engine.destroy()
+    results["families"] = out
+
+
 def _graph_checkpoint_bytes(loss) -> int:
     """Bytes DeepSpeed's checkpoints keep for the backward, found by walking the autograd graph: each
     CheckpointFunction node carries `deepspeed_saved_tensors`; a partitioned input keeps `.saved_data`."""
@@ -278,6 +332,7 @@ def main() -> None:
     check_zero_init()
     check_parity(1)
     check_parity(3)
+    check_families()
     rank = int(os.environ["RANK"])
     if rank == 0:
         json.dump(results, open(OUT, "w"), indent=1)

@@ -24,7 +24,8 @@ _BASES = {"full": FULL, "sqrt": FULL, "op": OP, "selective:attn": ATTN, "selecti
 _SUBLAYERS = {ATTN: ("self_attn", "attn", "attention", "self_attention"),
               MLP: ("mlp", "feed_forward", "ffn", "block_sparse_moe")}
 OP_GROUPS = {
-    "matmul": ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm"),
+    # MoE experts: torch's grouped matmul (bf16), or transformers' fallback op for other dtypes (model.moe)
+    "matmul": ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "transformers::grouped_mm_fallback"),
     "attention": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                   "_flash_attention_forward", "_efficient_attention_forward"),
@@ -315,8 +316,12 @@ def _resolve_ops(name: str, entry: str) -> frozenset:
     names = OP_GROUPS.get(name, (name.removeprefix("aten."),))
     ops = set()
     for qualified in names:
+        namespace, _, qualified = qualified.rpartition("::")
+        if namespace == "transformers":
+            import transformers.integrations.moe  # noqa: F401  (registers its ops)
         packet_name, _, overload = qualified.partition(".")
-        packet = getattr(torch.ops.aten, packet_name, None) if packet_name.isidentifier() else None
+        ops_of = getattr(torch.ops, namespace or "aten")
+        packet = getattr(ops_of, packet_name, None) if packet_name.isidentifier() else None
         if packet is None:
             continue
         try:

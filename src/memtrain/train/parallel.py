@@ -47,6 +47,45 @@ def check_tensor_parallel(ds_config: dict, source: str, config, world_size: int)
                             f"{value} (AutoTP shards attention by heads)")
 
 
+def check_autotp_model(ds_config: dict, source: str, model) -> None:
+    """Can DeepSpeed's AutoTP shard this model (meta device)? What deepspeed.initialize decides inside every
+    worker, asked before they start: the model's transformers tp_plan, where it has one, must use only partition
+    styles DeepSpeed takes (Phi-3's and OLMo-2's `rowwise_split_input`, the MoE families' `moe_tp_experts` are
+    refused as a whole), and a model without one needs an AutoTP policy (GPT-2 has none). An explicit
+    `tensor_parallel.partition_config` is the user's plan: DeepSpeed applies it, nothing to check here."""
+    section = ds_config.get("tensor_parallel")
+    if not isinstance(section, dict) or section.get("autotp_size", 0) <= 1 or section.get("partition_config"):
+        return
+    from deepspeed.module_inject.auto_tp import AutoTP
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    kind = getattr(model.config, "model_type", type(model).__name__)
+    plan = _get_hf_tp_plan(model)
+    if plan:
+        try:
+            TPPlanConverter.convert(plan)
+        except ValueError:
+            styles = sorted({s for s in plan.values() if s.lower() not in _supported_styles()})
+            raise UserError(f"{source}: tensor_parallel.autotp_size: DeepSpeed's AutoTP cannot shard {kind}: its "
+                            f"transformers tp_plan uses partition styles DeepSpeed does not take ({', '.join(styles)}); "
+                            "give tensor_parallel.partition_config for it, or set autotp_size 1") from None
+        return
+    try:
+        supported = AutoTP.supported(model)
+    except AssertionError:  # no model class name it can read a policy from
+        supported = False
+    if not supported:
+        raise UserError(f"{source}: tensor_parallel.autotp_size: DeepSpeed's AutoTP has no policy for {kind} (no "
+                        "transformers tp_plan); give tensor_parallel.partition_config for it, or set autotp_size 1")
+
+
+def _supported_styles() -> set:
+    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES
+
+    return SUPPORTED_STYLES
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where this rank sits. Ranks of one tensor-parallel group read the same batch (DeepSpeed checks

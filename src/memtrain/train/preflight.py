@@ -42,7 +42,7 @@ from memtrain.config.zero3 import Zero3Layout, zero3_layout
 from memtrain.recompute.hooks import apply_plan
 from memtrain.config.recipe import DataSection
 from memtrain.recompute.partition import with_expected_bytes
-from memtrain.train.parallel import check_tensor_parallel
+from memtrain.train.parallel import check_autotp_model, check_tensor_parallel
 from memtrain.config.ds_config import tp_size
 
 SECTIONS = ("zero_optimization", "activation_checkpointing", "optimizer", "scheduler", "bf16", "fp16",
@@ -377,6 +377,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     if tp_size(args.ds_config) > 1 and recipe.parallel.sequence > 1:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's parallel.sequence "
                         f"({recipe.parallel.sequence}); memtrain runs AutoTP or Ulysses sequence parallelism, not both")
+    check_autotp_model(args.ds_config, source, model)
     if resume is not None:
         check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
     hidden = model_hidden_size(config)
