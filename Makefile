@@ -26,7 +26,7 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 RECIPE_ARG := $(if $(RECIPE),--recipe $(RECIPE),)
 
-.PHONY: setup train test clean sweep report ac-profile slurm-submit test-slurm bench bench-host gpu-check plan explain
+.PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host gpu-check plan explain
 
 setup: $(VENV)/.installed
 
@@ -98,7 +98,11 @@ gpu-check: setup
 
 ## test: the whole suite (CPU)
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not multinode" $(PYTEST_ARGS)
+
+## test-multinode: two torchrun agents as two nodes on this machine (tests/test_multinode.py); .ci/run runs it after make test
+test-multinode: setup
+	$(BIN)/python -m pytest -q -m multinode tests/test_multinode.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .cache

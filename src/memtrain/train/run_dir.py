@@ -85,3 +85,36 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def check_shared(run_dir: Path, rank: int) -> None:
+    """Every rank must see the run directory rank 0 made: memtrain keeps one run directory on storage all nodes
+    share (rank 0 renames model checkpoints and writes the status files the batch script reads; every rank writes
+    its shards into them). Node-local run directories would each hold a part of every checkpoint, and a resume
+    would find none intact: at start-up, each rank looks for a file rank 0 just wrote, and all stop with one line
+    naming a node that cannot see it. Collectives: every rank calls this."""
+    import secrets
+    import socket
+
+    import deepspeed.comm as dist
+
+    token = [secrets.token_hex(8) if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = run_dir / f".shared-check-{token[0]}"
+    if rank == 0:
+        marker.write_text(token[0])
+    dist.barrier()
+    try:
+        seen = marker.read_text() == token[0]
+    except OSError:
+        seen = False
+    blind = [None] * dist.get_world_size()
+    dist.all_gather_object(blind, None if seen else socket.gethostname())
+    dist.barrier()
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    missing = sorted({host for host in blind if host is not None})
+    if missing:
+        raise UserError(f"--run-dir {run_dir}: not shared between the nodes ({', '.join(missing)} cannot see what "
+                        "rank 0 wrote there): memtrain keeps a run on storage every node sees; point --run-dir at a "
+                        "shared filesystem")

@@ -264,6 +264,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
         for warning in checked.warnings:
             print(f"warning: {warning}", flush=True)
     dist.barrier()  # the run directory is ready (an earlier run's files set aside) before any rank writes to it
+    run_dirs.check_shared(run_dir, rank)  # every node sees it (one line, on every rank, where one does not)
     ds_log.to_file(run_dir, rank)
 
     # --- model, AC hooks, engine
