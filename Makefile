@@ -102,7 +102,7 @@ test: setup
 
 ## test-multinode: two torchrun agents as two nodes on this machine (tests/test_multinode.py); .ci/run runs it after make test
 test-multinode: setup
-	$(BIN)/python -m pytest -q -m multinode tests/test_multinode.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m multinode tests/test_multinode.py tests/test_slurm.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .cache

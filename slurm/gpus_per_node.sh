@@ -127,3 +127,29 @@ ranks_per_agent() {
   fi
   echo $(( gpus / agents ))
 }
+
+# The GPUs of this agent (srun task SLURM_LOCALID) when several agents share a node: `nproc` ids, the agent's
+# slice of the node's (CUDA_VISIBLE_DEVICES as Slurm set it for the job, else SLURM_JOB_GPUS, else 0..N-1), as
+# a CUDA_VISIBLE_DEVICES value. Without it every agent's LOCAL_RANK 0 would take the node's first GPU. Prints
+# nothing when one agent has the node or the node has no GPU.
+agent_gpus() {
+  local nproc=$1 agents=${SLURM_NTASKS_PER_NODE:-1} id=${SLURM_LOCALID:-0} list n
+  agents=${agents%%(*}
+  [[ $agents =~ ^[1-9][0-9]*$ ]] && (( agents > 1 )) || return 0
+  local -a ids=()
+  list=${CUDA_VISIBLE_DEVICES:-${SLURM_JOB_GPUS:-}}
+  if [[ -n $list && $list != NoDevFiles && $list != -1 ]]; then
+    IFS=',' read -r -a ids <<< "$list"
+  else
+    n=$(gpus_per_node) || return 2
+    (( ${n:-0} > 0 )) || return 0
+    mapfile -t ids < <(seq 0 $(( n - 1 )))
+  fi
+  if (( ${#ids[@]} < agents * nproc )); then
+    echo "memtrain: error: $agents agents x $nproc ranks per node need $(( agents * nproc )) GPUs, the node has" \
+         "${#ids[@]} (${list:-from the GPU count}); set NPROC_PER_NODE" >&2
+    return 2
+  fi
+  local IFS=,
+  echo "${ids[*]:id*nproc:nproc}"
+}

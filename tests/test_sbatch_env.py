@@ -74,6 +74,25 @@ def test_nproc_per_node_wins_and_agents_share_a_node():
     assert odd.returncode == 2 and "SLURM_NTASKS_PER_NODE" in odd.stderr
 
 
+@pytest.mark.parametrize("env, nproc, gpus", [
+    ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 4, "4,5,6,7"),
+    ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 4, "0,1,2,3"),
+    ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, 1, "3"),
+    ({"SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_LOCALID": "3", "SLURM_GPUS_ON_NODE": "8"}, 2, "6,7"),
+    ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "1", "SLURM_JOB_GPUS": "4,5,6,7"}, 2, "6,7"),
+    ({"SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4, ""),  # one agent: the node is its own
+    ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "1"}, 1, ""),  # CPU nodes
+])
+def test_agents_sharing_a_node_get_their_own_gpus(env, nproc, gpus):
+    proc = _run(f"agent_gpus {nproc}", **env)
+    assert proc.returncode == 0 and proc.stdout.strip() == gpus, proc.stderr
+
+
+def test_agents_sharing_a_node_need_enough_gpus():
+    proc = _run("agent_gpus 4", SLURM_NTASKS_PER_NODE="2", SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="0,1,2,3,4")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "need 8 GPUs, the node has 5" in proc.stderr
+
+
 def _sbatch(tmp_path: Path, **env):
     """train.sbatch with stub scontrol/srun: what torchrun would have been started with."""
     stubs = tmp_path / "bin"

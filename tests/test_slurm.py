@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -153,6 +154,35 @@ def test_warning_signal_saves_requeues_and_resumes_exactly(slurm, reference):
     assert steps_per_event_file(run_dir / "tb") == [list(range(1, k + 1)), list(range(k + 1, STEPS + 1))]
     # And data order continued: the same loss curve as without preemption.
     assert losses(run_dir) == pytest.approx(losses(reference[2]), rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.multinode
+def test_a_lost_rank_requeues_and_resumes_from_the_last_checkpoint(slurm, reference):
+    """A rank killed (SIGKILL: its node gone) after the step-5 model checkpoint: srun ends the step, the trainer
+    wrote no verdict, the batch script requeues because that attempt saved a new intact checkpoint, and the job
+    resumes from it to the uninterrupted job's losses. In `make test-multinode`."""
+    log_dir = slurm[2]
+    run_dir = log_dir / "lost-rank"
+    job = submit(slurm, run_dir, log_dir, TWO_AGENTS, [*TRAIN, "--set", "train.save_interval=5"])
+    log = log_dir / f"{job}.out"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (run_dir / "checkpoints" / "step00000005").is_dir():
+        assert time.monotonic() < deadline and job_info(slurm, job).get("JobState") in (
+            "PENDING", "RUNNING", "CONFIGURING"), _tail(log)
+        time.sleep(0.1)
+    ranks = subprocess.run(["pgrep", "-f", "--", f"-u src/train.py .*--run-dir {run_dir}"], capture_output=True,
+                           text=True).stdout.split()
+    assert len(ranks) == 2, ranks
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+
+    info = wait_gone(slurm, job, log)
+    text = log.read_text(errors="replace")
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _tail(log)
+    assert info["Restarts"] == "1", _tail(log)
+    assert "ended without the trainer's verdict" in text and f"requeueing job {job} to resume from step" in text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert losses(run_dir)[-5:] == pytest.approx(losses(reference[2])[-5:], rel=1e-6, abs=1e-7)
 
 
 def test_sweep_as_job_array(slurm):
