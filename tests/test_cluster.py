@@ -41,3 +41,58 @@ def test_cpu_threads_split_the_ranks_cores_where_cpu_work_runs():
     assert cpu_threads(cuda=True, host_optimizer=False, env=node) is None  # GPU-only work: torchrun's setting stays
     assert cpu_threads(cuda=False, host_optimizer=False, env=node) == 12
     assert cpu_threads(cuda=False, host_optimizer=False, env={"LOCAL_WORLD_SIZE": "200", "SLURM_CPUS_PER_TASK": "8"}) == 1
+
+
+def _memory_cgroup(tmp_name: str, limit: int):
+    """A child memory cgroup with `limit` bytes (v1 or v2, as root), or None where none can be made here."""
+    import os
+    from pathlib import Path
+
+    for root, limit_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+                             (Path("/sys/fs/cgroup"), "memory.max")):
+        group = root / tmp_name
+        try:
+            group.mkdir(exist_ok=True)
+            (group / limit_file).write_text(str(limit))
+            return group
+        except OSError:
+            if group.is_dir():
+                try:
+                    os.rmdir(group)
+                except OSError:
+                    pass
+    return None
+
+
+def test_host_memory_is_checked_against_the_nodes_ranks_and_the_cgroup():
+    """Before any worker: the ranks on this node x each rank's predicted host bytes (llama-1b's shape cut to 2 layers,
+    ZeRO-3 with the optimizer offloaded: 8.9 GiB on this CPU) against what the node can still allocate. The same
+    run passes on 1 rank, is one line on 8 ranks (71 GiB > this machine's memory), and is one line on 1 rank in a
+    memory cgroup of 4 GiB (a Slurm job's --mem): the cgroup's room counts, not only MemAvailable."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from conftest import _env
+
+    base = [sys.executable, "-m", "memtrain.train.preflight", "--deepspeed", str(ROOT / "ds_configs" / "zero3_offload.json"),
+            "--recipe", str(ROOT / "recipes" / "llama-1b.yaml"), "--set", "model.config.num_hidden_layers=2",
+            "--set", "data.random_tokens=true"]
+    one = subprocess.run([*base, "--world-size", "1"], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr
+    eight = subprocess.run([*base, "--world-size", "8"], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert eight.returncode == 2 and eight.stderr.count("\n") == 1, eight.stderr
+    assert "host memory: 8 rank(s) on this node x" in eight.stderr and "available on" in eight.stderr
+
+    group = _memory_cgroup(f"memtrain-test-{os.getpid()}", 4 << 30)
+    if group is None:
+        pytest.skip("no memory cgroup can be made here (not root, or no memory controller)")
+    try:
+        inside = subprocess.run(["bash", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$@"', "bash", *base,
+                                 "--world-size", "1"], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    finally:
+        os.rmdir(group)
+    assert inside.returncode == 2 and "host memory: 1 rank(s) on this node x 8.9 GiB each" in inside.stderr, \
+        inside.stderr

@@ -31,6 +31,8 @@ from memtrain.model.chat_data import check_template
 from memtrain.model.lora import add_lora
 from memtrain.model.moe import experts_line
 from memtrain.memory.target import compute_dtype
+from memtrain.memory.planner import predict_run
+from memtrain.units import GIB
 from memtrain.config.args import RunArgs, parse_args
 from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
@@ -64,6 +66,7 @@ class Checked:
     spec: RecomputeSpec = RecomputeSpec()  # the activation-checkpointing decision (memtrain.config.recompute_spec)
     # plan lines about the model: what trains (memtrain.model.freeze), which expert matmul an MoE runs (model.moe)
     model_lines: tuple[str, ...] = ()
+    prediction: Any = None  # memtrain.memory.predict.Prediction of this plan (the auto plan's, for policy auto)
 
 
 def _suggest(key: str, allowed, cutoff: float = 0.6) -> str:
@@ -323,6 +326,31 @@ def _trainable_line(model, recipe) -> str:
             "the rest frozen: no gradient, no optimizer state")
 
 
+def check_host_memory(prediction, world_size: int) -> None:
+    """The node's ranks each hold their offloaded activations and model states (pinned pools, host Adam states)
+    in host memory; on a CPU run their whole peak is host memory. Against what this node can still allocate
+    (MemAvailable, the cgroup's room: a Slurm job's --mem), before any worker starts: one line."""
+    import os
+    import socket
+
+    from memtrain.memory.host import available_bytes
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # a worker knows its node's; make train: all
+    states = prediction.model_states
+    per_rank = prediction.host_activations + states.host
+    if run_device() == "cpu":
+        per_rank += prediction.peak
+    available = available_bytes()
+    if ranks * per_rank > available:
+        g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+        raise UserError(f"host memory: {ranks} rank(s) on this node x {g(per_rank)} each (offloaded activations "
+                        f"{g(prediction.host_activations)} + offloaded model states {g(states.host)}"
+                        + (f" + the CPU run's peak {g(prediction.peak)}" if run_device() == "cpu" else "")
+                        + f") = {g(ranks * per_rank)} predicted, {g(available)} available on {socket.gethostname()}; "
+                        "offload less (cpu_checkpointing, offload_optimizer), lower train.micro_batch_size, or run "
+                        "fewer ranks per node")
+
+
 def check_run(args: RunArgs, world_size: int) -> Checked:
     """Every check, cheapest first; raises UserError on the first mistake."""
     recipe, source = args.recipe, args.ds_config_path
@@ -389,6 +417,9 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
                                              hidden_size=hidden))
     deepspeed_accepts(args.ds_config, resolved, source, recipe)
     plan = with_expected_bytes(plan, config, recipe, resolved)
+    prediction = memory_plan.prediction if memory_plan is not None else predict_run(
+        recipe, args.ds_config, world_size, plan, config)
+    check_host_memory(prediction, world_size)
     warnings += _recipe_overrides(args.ds_config, source, recipe, world_size)
     warnings += [w for w in (ds_checks.build_notice(resolved),) if w]
     warnings += ds_checks.clear_stale_build_locks()
@@ -399,7 +430,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")
     experts = experts_line(config, compute_dtype(args.ds_config, run_device()))
     model_lines = tuple(line for line in (trained, experts) if line)
-    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, model_lines)
+    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, model_lines, prediction)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -246,7 +246,8 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     ds_log.buffer()  # DeepSpeed's own log: off the console, to run_dir/deepspeed.log below
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls,
                                                       hidden_size=model_hidden_size(config), default_tensorboard=True))
-    predicted_peak = _predicted_peak(recipe, args.ds_config, world, plan, config, memory_plan)
+    # the plan every rank runs: rank 0's, for policy auto (its prediction came with it)
+    predicted_peak = (memory_plan.prediction if memory_plan is not None else checked.prediction).peak
     if rank == 0:
         if args.overwrite:  # the earlier run moves aside; deleted once this run saved a model checkpoint
             run_dirs.set_aside(run_dir)
@@ -577,15 +578,6 @@ def _recompute_flops(config, seq_len: int, plan) -> Optional[float]:
         return recompute_flops_per_token(config, seq_len, tuple(plan.layers))
     except ValueError:
         return None
-
-
-def _predicted_peak(recipe, ds_config: dict, world: int, plan, config, memory_plan) -> Optional[int]:
-    """memtrain.memory.planner's predicted peak device bytes for the plan this run executes."""
-    if memory_plan is not None:
-        return memory_plan.prediction.peak
-    from memtrain.memory.planner import predict_run
-
-    return predict_run(recipe, ds_config, world, plan, config).peak
 
 
 def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_step, flops_per_token,
