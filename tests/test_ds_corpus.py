@@ -257,6 +257,31 @@ def test_stale_build_lock_is_cleared_live_one_kept(tmp_path, monkeypatch):
     assert not (tmp_path / "stale_op" / "lock").exists() and (tmp_path / "live_op" / "lock").exists()
 
 
+def test_on_a_shared_filesystem_a_lock_is_stale_only_when_its_folder_is_quiet(tmp_path, monkeypatch):
+    """Another node's live build has no process in this node's /proc: on a shared filesystem a lock goes only
+    when it and its build folder have been untouched for SHARED_MIN_QUIET_S; a build folder written 10 s ago
+    (another node's ninja at work) keeps its 300-s-old lock, which the local rule alone would remove."""
+    import os
+    import time
+    from pathlib import Path
+
+    from memtrain.train.ds_checks import SHARED_MIN_QUIET_S, clear_stale_build_locks, filesystem_type
+
+    assert filesystem_type(Path("/proc/self")) == "proc"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    now = time.time()
+    for op, lock_age, folder_age in (("busy_op", 300, 10), ("dead_op", SHARED_MIN_QUIET_S + 60, SHARED_MIN_QUIET_S + 60)):
+        (tmp_path / op).mkdir()
+        for name, age in (("lock", lock_age), ("build.ninja", folder_age)):
+            (tmp_path / op / name).write_text("")
+            os.utime(tmp_path / op / name, (now - age, now - age))
+        os.utime(tmp_path / op, (now - folder_age, now - folder_age))
+    lines = clear_stale_build_locks(shared=True)
+    assert len(lines) == 1 and "dead_op/lock" in lines[0] and "on a shared filesystem" in lines[0]
+    assert (tmp_path / "busy_op" / "lock").exists() and not (tmp_path / "dead_op" / "lock").exists()
+    assert len(clear_stale_build_locks(shared=False)) == 1  # the local rule: no live process here, 300 s old
+
+
 def test_explain_config_says_what_each_key_does(capsys):
     from memtrain.tools.explain_config import main
 

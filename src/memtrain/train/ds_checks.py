@@ -178,20 +178,48 @@ def _held_by_live_process(folder: Path) -> bool:
     return False
 
 
-def clear_stale_build_locks(min_age_s: float = 60.0) -> list[str]:
+# Filesystems other nodes may write too (a shared home): their builds run on processes this node cannot see.
+SHARED_FILESYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs",
+                      "fuse.glusterfs", "fuse.beegfs", "panfs", "wekafs", "9p", "virtiofs", "afs"}
+SHARED_MIN_QUIET_S = 1800.0  # on a shared filesystem: a lock, and its build folder, untouched this long
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem `path` is on (its longest mount point in /proc/self/mounts)."""
+    path = path.resolve()
+    best, kind = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        point = fields[1].replace("\\040", " ")
+        if (path == Path(point) or Path(point) in path.parents) and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def clear_stale_build_locks(min_age_s: float = 60.0, shared: Optional[bool] = None) -> list[str]:
     """torch's extension builds take `<op>/lock`; a build killed midway leaves it, and every later
     launch then waits on it forever, silently. A lock older than `min_age_s` that no live process
-    builds under is removed; returns one line per removed lock."""
+    builds under is removed; returns one line per removed lock.
+
+    On a filesystem other nodes share (`shared`; by default read from the mount table), another node's live
+    build has no process here: a lock is removed only when it and everything in its build folder have been
+    untouched for SHARED_MIN_QUIET_S (a live build writes its objects and ninja's log as it goes)."""
     out = []
     root = _extensions_dir()
+    if shared is None:
+        shared = filesystem_type(root) in SHARED_FILESYSTEMS
     for lock in root.glob("*/lock"):
         try:
             age = time.time() - lock.stat().st_mtime
-        except OSError:
+            quiet = time.time() - max(p.stat().st_mtime for p in (lock.parent, *lock.parent.rglob("*")))
+        except (OSError, ValueError):
             continue
         if age < min_age_s or _held_by_live_process(lock.parent):
             continue
+        if shared and min(age, quiet) < SHARED_MIN_QUIET_S:
+            continue  # perhaps another node's build: its processes are not in this node's /proc
         lock.unlink(missing_ok=True)
         out.append(f"removed {lock}: a lock left by an interrupted DeepSpeed op build ({age:.0f} s old, no live "
-                   "build), which would make this launch wait forever")
+                   "build" + (f", nothing in its folder written for {quiet:.0f} s on a shared filesystem" if shared
+                              else "") + "), which would make this launch wait forever")
     return out
