@@ -3,7 +3,8 @@ rendezvous arguments slurm/train.sbatch builds (`--nnodes 2 --rdzv-backend c10d 
 --rdzv-id JOB-RESTART`): torch's c10d rendezvous lets the second agent on a host join the store the first one
 serves, so the 4 ranks see two nodes of 2 local ranks each, as on a cluster.
 
-* ZeRO-3 + full recompute trains 6 steps on 4 ranks and saves;
+* ZeRO-3 + full recompute trains 6 steps on 4 ranks and saves, and so does AutoTP 2 (a tensor-parallel pair
+  inside each node, data parallel across the nodes);
 * each node with its own run directory (storage that is not shared): every rank stops at start-up with one
   line naming the node that cannot see rank 0's files;
 * the same run with one agent killed (SIGKILL to the agent and its ranks, a node lost) after its step-2 model
@@ -26,14 +27,15 @@ from memtrain.train.checkpoint import tag_for
 
 STEPS = 6
 TIMEOUT_S = 30  # train.collective_timeout_s: how long a rank waits for a lost peer
-ARGS = [*FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--max-steps", str(STEPS),
+ARGS = [*FAST, "--max-steps", str(STEPS),
         "--set", "train.log_every=1", "--set", "train.save_interval=2", "--set", "train.keep_last=3",
         "--set", f"train.collective_timeout_s={TIMEOUT_S}"]
 
 pytestmark = pytest.mark.multinode
 
 
-def _agents(run_dir: Path, job: str, logs: Path, extra=(), node_cwds=None) -> list[subprocess.Popen]:
+def _agents(run_dir: Path, job: str, logs: Path, extra=(), node_cwds=None,
+            ds="zero3_ckpt.json") -> list[subprocess.Popen]:
     """Two agents as slurm/train.sbatch's srun starts them, one per "node", each in its own process group.
     `node_cwds`: each node its own working directory, under which a relative `run_dir` is another directory
     (node-local storage: the same path, each node its own disk; the ranks use rank 0's --run-dir string)."""
@@ -41,7 +43,7 @@ def _agents(run_dir: Path, job: str, logs: Path, extra=(), node_cwds=None) -> li
     port = _free_port()
     cmd = [str(torchrun), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
-           str(TRAIN), *ARGS, *extra]
+           str(TRAIN), "--deepspeed", str(ROOT / "ds_configs" / ds), *ARGS, *extra]
     logs = [open(logs / f"{job}-agent{i}.log", "w") for i in range(2)]
     return [subprocess.Popen([*cmd, "--run-dir", str(run_dir)], cwd=(node_cwds or [ROOT] * 2)[i], env=_env(),
                              stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -62,13 +64,16 @@ def _log(logs: Path, job: str) -> str:
     return "\n".join((logs / f"{job}-agent{i}.log").read_text() for i in range(2))
 
 
-def test_two_nodes_train_and_a_lost_node_resumes_to_the_straight_runs_losses(tmp_path):
+@pytest.mark.parametrize("ds", ["zero3_ckpt.json", "zero3_tp2_ckpt.json"], ids=["zero3", "autotp2"])
+def test_two_nodes_train_and_a_lost_node_resumes_to_the_straight_runs_losses(tmp_path, ds):
+    """ZeRO-3 + full recompute, and the same with AutoTP 2 (a tensor-parallel group inside each node, data
+    parallel across them: its model checkpoint files are named by data- and model-parallel rank)."""
     straight, lost = tmp_path / "straight", tmp_path / "lost"
-    assert _wait(_agents(straight, "straight-0", tmp_path), 600) == [0, 0], _log(tmp_path, "straight-0")
+    assert _wait(_agents(straight, "straight-0", tmp_path, ds=ds), 600) == [0, 0], _log(tmp_path, "straight-0")
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS and summary["world_size"] == 4, summary
 
-    agents = _agents(lost, "lost-0", tmp_path)
+    agents = _agents(lost, "lost-0", tmp_path, ds=ds)
     deadline = time.time() + 600
     while not (lost / "checkpoints" / tag_for(2)).is_dir():  # renamed into place: complete
         assert all(a.poll() is None for a in agents) and time.time() < deadline, _log(tmp_path, "lost-0")
@@ -80,7 +85,7 @@ def test_two_nodes_train_and_a_lost_node_resumes_to_the_straight_runs_losses(tmp
     agents[1].wait()
 
     # the requeue: both agents again, resuming from the newest intact checkpoint
-    assert _wait(_agents(lost, "lost-1", tmp_path, ["--resume"]), 600) == [0, 0], _log(tmp_path, "lost-1")
+    assert _wait(_agents(lost, "lost-1", tmp_path, ["--resume"], ds=ds), 600) == [0, 0], _log(tmp_path, "lost-1")
     summary = json.loads((lost / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS, summary
     ref = dict(read_scalars(straight / "tb")["train/loss"])
