@@ -34,7 +34,7 @@ NORM = {"llama": "post_attention_layernorm", "gpt2": "ln_2"}  # a leaf module th
 
 def _policies(family):
     """(policy, recipe AC keys) for every policy and composition."""
-    return [("full", {}), ("every:2", {}), ("first:1", {}), ("sqrt", {}), ("sqrt+first:3", {}),
+    return [("full", {}), ("every:2", {}), ("first:1", {}), ("first:9", {}), ("sqrt", {}), ("sqrt+first:3", {}),
             ("sqrt", {"segment_len": 3}), ("selective:attn", {}), ("selective:mlp", {}),
             ("selective:mlp+every:2", {}), ("op", {}), ("op", {"op_save": ["matmul/2", "attention"]}),
             ("op+first:2", {}), ("modules", {"modules": [f"{LAYERS[family]}.*.{NORM[family]}"]})]
@@ -135,6 +135,10 @@ def test_activation_ordering_recompute_cost_and_full_matches_analytic(ids):
 
 
 def test_policy_strings_and_compositions():
+    assert parse_policy("every:2", 5) == ("full", "keep", "full", "keep", "full")
+    assert parse_policy("first:2", 3) == ("full", "full", "keep")
+    assert parse_policy("first:9", 3) == ("full", "full", "full")  # more than the model has: all of them
+    assert parse_policy("none", 2) == ("keep", "keep")
     assert parse_policy("op+first:2", 4) == ("op", "op", "keep", "keep")
     assert parse_policy("selective:attn+every:2", 4) == ("attn", "keep", "attn", "keep")
     assert parse_policy("selective:mlp", 2) == ("mlp", "mlp")
@@ -144,7 +148,8 @@ def test_policy_strings_and_compositions():
     assert sqrt_segments(("full",) * 5, segment_len=2) == ((0, 2), (2, 4))  # a 1-layer rest is plain full
     plan = _plan("sqrt+first:3")
     assert plan.segments == ((0, 2),) and plan.layer_marks() == "[R R] R ."
-    for bad in ["none+first:2", "modules+first:2", "sqrt+every:2", "op+last:2", "op+first:0", "selective:xyz"]:
+    for bad in ["none+first:2", "modules+first:2", "sqrt+every:2", "op+last:2", "op+first:0", "selective:xyz",
+                "every:0", "every:x", "every", "first:-1", "sometimes"]:
         with pytest.raises(UserError, match="activation_checkpointing.policy"):
             parse_policy(bad, 4)
     with pytest.raises(ValueError, match="segments"):
