@@ -49,6 +49,18 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """In-process tests on tiny shapes (`pytestmark = pytest.mark.usefixtures("one_thread")`): threads only add
+    synchronisation, and stall when the cores are shared."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def ds_config():
     return str(ROOT / "ds_configs" / "zero3_ckpt.json")

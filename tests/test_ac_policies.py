@@ -19,6 +19,7 @@ from memtrain.model.build import build_config, build_model
 from memtrain.config.recipe import ModelSection
 
 SEQ, BATCH, VOCAB = 32, 2, 257
+pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = {
     "llama": {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 64},
@@ -49,15 +50,6 @@ def _model(family, dropout=0.0):
 
 def _plan(policy, **keys):
     return plan_for(policy, 4, backend="torch", **keys)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: threads only add synchronisation (and stall when the cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,10 @@ from memtrain.model.build import build_config, build_model
 from memtrain.recompute.hooks import apply_plan, remove_plan
 from memtrain.recompute.policy import plan_for
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 POLICIES = ["full", "every:2", "first:1", "sqrt", "selective:attn", "selective:mlp", "op", "op+first:2"]
 PLANNED = ["none", "full", "selective:attn", "selective:mlp", "op", "sqrt"]
 ZERO3 = str(ROOT / "ds_configs" / "zero3_ckpt.json")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: threads only add synchronisation (and stall when the cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _grads(model, plan, ids) -> dict:

@@ -50,6 +50,24 @@ def _agents(run_dir: Path, job: str, logs: Path, extra=(), node_cwds=None,
             for i, log in enumerate(logs)]
 
 
+def _kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and its ranks: torchrun starts each rank in a session of its own, so the agent's
+    process group alone would leave the ranks running (they would finish the run without their agent)."""
+    ranks = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == agent.pid:  # the field after the state is the parent's pid
+            ranks.append(int(stat.parent.name))
+    for pid in [agent.pid, *ranks]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _wait(agents, timeout: float) -> list[int]:
     deadline = time.time() + timeout
     try:
@@ -57,7 +75,7 @@ def _wait(agents, timeout: float) -> list[int]:
     finally:
         for a in agents:
             if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
+                _kill_node(a)
 
 
 def _log(logs: Path, job: str) -> str:
@@ -78,7 +96,7 @@ def test_two_nodes_train_and_a_lost_node_resumes_to_the_straight_runs_losses(tmp
     while not (lost / "checkpoints" / tag_for(2)).is_dir():  # renamed into place: complete
         assert all(a.poll() is None for a in agents) and time.time() < deadline, _log(tmp_path, "lost-0")
         time.sleep(0.05)
-    os.killpg(agents[1].pid, signal.SIGKILL)  # the second node is gone: its agent and both its ranks
+    _kill_node(agents[1])  # the second node is gone: its agent and both its ranks
     killed = time.time()
     rc = _wait(agents[:1], TIMEOUT_S + 60)[0]
     assert rc != 0 and time.time() - killed < TIMEOUT_S + 60, _log(tmp_path, "lost-0")

@@ -132,6 +132,13 @@ def test_trainer_counts_each_token_once(tp):
     assert math.isfinite(m["train/loss"])
 
 
+def test_parallel_groups_wait_no_longer_than_the_world(tp):
+    """DeepSpeed's tensor- and data-parallel groups time out with train.collective_timeout_s (77 s here), not
+    torch's 30-minute default for a new group: a lost peer ends the run as fast in any group."""
+    timeouts = tp["trainer"]["group_timeouts_s"]
+    assert timeouts and set(timeouts) == {77.0}, timeouts
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_tp_final_model_is_whole_and_trained(tp, stage):
     """final/ (memtrain.train.final.save_final, as the trainer writes it) of a TP=2 engine holds the whole

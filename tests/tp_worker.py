@@ -96,46 +96,60 @@ def check_zero_init() -> None:
     results["zero_init"] = row
 
 
-def check_parity(stage: int) -> None:
-    """AutoTP=2 (DP=1 on 2 ranks) against plain torch TP=1 on the same global batches, in lock-step."""
+def _lock_step(section: ModelSection, config, stage: int, ac: dict, steps: int):
+    """An AutoTP=2 engine (DP=1 on 2 ranks) and a plain torch TP=1 copy of its weights, trained in lock-step on
+    the same global batches with the same dropout masks (seeded per step). Returns the engine, the copy, the
+    layout and both runs' losses."""
     import deepspeed
 
     torch.manual_seed(0)
-    cfg = ds_config(stage, 2, {"partition_activations": True, "contiguous_memory_optimization": stage == 3,
-                               "synchronize_checkpoint_boundary": stage == 3})
-    model = build_model_zero3(SECTION, CONFIG, cfg) if stage == 3 else build_model(SECTION, CONFIG)
-    ref = build_model(SECTION, CONFIG)
+    cfg = ds_config(stage, 2, ac)
+    model = build_model_zero3(section, config, cfg) if stage == 3 else build_model(section, config)
+    ref = build_model(section, config)
     ref.load_state_dict(gathered_state(model, stage))
     spec = spec_for(cfg)
-    plan = build_plan(spec, LAYERS)
+    plan = build_plan(spec, config.num_hidden_layers)
     apply_plan(model, plan)
     model.train()
     ref.train()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     layout = parallel.layout(engine)
     parallel.check_sharded(engine.module, layout.tp)
-    configure_deepspeed_ac(spec, LAYERS, partition.tp_mpu(plan, layout.tp))
+    configure_deepspeed_ac(spec, config.num_hidden_layers, partition.tp_mpu(plan, layout.tp))
     partition.check_configured(plan, layout.tp)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     data = RandomTokens(VOCAB, SEQ, 11)
     losses, ref_losses = [], []
-    for step in range(5):
+    for step in range(steps):
         ids = data.batch(step, 0, layout.dp_rank, layout.dp_size, MBS, 1)
+        torch.manual_seed(step)  # the same dropout masks (GPT-NeoX, OPT, Falcon have dropout keys)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        torch.manual_seed(step)
         ref_loss = ref(input_ids=ids, labels=ids).loss
         ref_loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed clips at gradient_clipping 1.0
         opt.step()
         opt.zero_grad()
         ref_losses.append(ref_loss.item())
+    return engine, ref, layout, losses, ref_losses
+
+
+def _tp_layers(engine) -> int:
     from deepspeed.module_inject.layers import TensorParallel_Layer
 
+    return sum(isinstance(m, TensorParallel_Layer) for m in engine.module.modules())
+
+
+def check_parity(stage: int) -> None:
+    """AutoTP=2 against plain torch TP=1 over 5 lock-step steps, and the final/ it writes."""
+    engine, ref, layout, losses, ref_losses = _lock_step(
+        SECTION, CONFIG, stage, {"partition_activations": True, "contiguous_memory_optimization": stage == 3,
+                                 "synchronize_checkpoint_boundary": stage == 3}, 5)
     results[f"parity_z{stage}"] = {"losses": losses, "ref_losses": ref_losses, "tp": layout.tp,
-                                   "dp_size": layout.dp_size, "dp_rank": layout.dp_rank,
-                                   "tp_layers": sum(isinstance(m, TensorParallel_Layer) for m in engine.module.modules())}
+                                   "dp_size": layout.dp_size, "dp_rank": layout.dp_rank, "tp_layers": _tp_layers(engine)}
     # final/ as the trainer writes it: whole weights (TP shards gathered), equal to the reference's
     from pathlib import Path
 
@@ -158,9 +172,6 @@ def check_parity(stage: int) -> None:
 def check_families() -> None:
     """Each family AutoTP can shard (the others are one line before workers start: test_tensor_parallel), ZeRO-3,
     full recompute on DeepSpeed's checkpoint with partitioned inputs: losses of 2 lock-step AdamW steps."""
-    import deepspeed
-    from deepspeed.module_inject.layers import TensorParallel_Layer
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from families import AUTOTP_REFUSED, FAMILIES
 
@@ -169,40 +180,9 @@ def check_families() -> None:
         if family in AUTOTP_REFUSED:
             continue
         section = ModelSection(type=family, config=FAMILIES[family])
-        config = build_config(section, VOCAB, SEQ)
-        layers = config.num_hidden_layers
-        torch.manual_seed(0)
-        cfg = ds_config(3, 2, {"partition_activations": True})
-        model = build_model_zero3(section, config, cfg)
-        ref = build_model(section, config)
-        ref.load_state_dict(gathered_state(model, 3))
-        spec = spec_for(cfg)
-        plan = build_plan(spec, layers)
-        apply_plan(model, plan)
-        model.train()
-        ref.train()
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        layout = parallel.layout(engine)
-        configure_deepspeed_ac(spec, layers, partition.tp_mpu(plan, layout.tp))
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-        data = RandomTokens(VOCAB, SEQ, 11)
-        losses, ref_losses = [], []
-        for step in range(2):
-            ids = data.batch(step, 0, layout.dp_rank, layout.dp_size, MBS, 1)
-            torch.manual_seed(step)  # the same dropout masks (GPT-NeoX, OPT, Falcon have dropout keys)
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            torch.manual_seed(step)
-            ref_loss = ref(input_ids=ids, labels=ids).loss
-            ref_loss.backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            ref_losses.append(ref_loss.item())
-        out[family] = {"losses": losses, "ref_losses": ref_losses,
-                       "tp_layers": sum(isinstance(m, TensorParallel_Layer) for m in engine.module.modules())}
+        engine, _, _, losses, ref_losses = _lock_step(section, build_config(section, VOCAB, SEQ), 3,
+                                                      {"partition_activations": True}, 2)
+        out[family] = {"losses": losses, "ref_losses": ref_losses, "tp_layers": _tp_layers(engine)}
         engine.destroy()
     results["families"] = out
 
@@ -311,11 +291,22 @@ def check_trainer() -> None:
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ds_configs", "zero3_tp2_ckpt.json")
     run_dir = os.path.join(os.path.dirname(OUT), "trainer-run")
+    timeouts, new_group = [], torch.distributed.new_group
+
+    def recording_new_group(*args, **kwargs):  # the timeout of each group DeepSpeed makes in the run
+        group = new_group(*args, **kwargs)
+        timeouts.append(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        return group
+
+    torch.distributed.new_group = recording_new_group
     summary = train(parse_args(["--deepspeed", path, "--run-dir", run_dir, "--max-steps", "2",
                                 "--set", "data.random_tokens=true", "--set", "data.seq_len=64",
                                 "--set", "train.micro_batch_size=4", "--set", "train.log_every=1",
-                                "--set", "train.metric_warmup_steps=1", "--set", "train.save_interval=0"]))
-    results["trainer"] = {"metrics": summary["metrics"], "status": summary["status"], "run_dir": run_dir}
+                                "--set", "train.metric_warmup_steps=1", "--set", "train.save_interval=0",
+                                "--set", "train.collective_timeout_s=77"]))
+    torch.distributed.new_group = new_group
+    results["trainer"] = {"metrics": summary["metrics"], "status": summary["status"], "run_dir": run_dir,
+                          "group_timeouts_s": timeouts}
 
 
 def main() -> None:

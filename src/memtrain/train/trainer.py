@@ -91,6 +91,17 @@ def _skip_shm_comm_op() -> None:
         pass
 
 
+def _groups_wait_as_long_as_the_world(timeout: timedelta) -> None:
+    """torch's new_group takes its own default timeout (gloo 30 min, NCCL 10 min), not the world group's, and
+    DeepSpeed makes its tensor-, data- and sequence-parallel groups without one: a rank waiting on a lost peer
+    in one of them would outwait train.collective_timeout_s by far. Every group made from here on takes it.
+    (torch reads these module globals at each new_group; there is no public setter.)"""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -231,6 +242,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
         prepare_data(recipe.data, t.seed)
     deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=t.collective_timeout_s))
+    _groups_wait_as_long_as_the_world(timedelta(seconds=t.collective_timeout_s))
     rank = dist.get_rank()
     agreement = signals.StopAgreement(world)  # a stop signal on any rank stops all within two steps
     memory_plan = checked.memory_plan
