@@ -35,6 +35,18 @@ REFUSED = {("opt", "selective:mlp"): "OPTDecoderLayer has no mlp sublayer"}
 # what DeepSpeed's AutoTP cannot shard (0.19.8), and why: one line before workers start
 AUTOTP_REFUSED = {"phi3": "rowwise_split_input", "olmo2": "rowwise_split_input", "gpt2": "has no policy for gpt2",
                   "mixtral": "moe_tp_experts", "qwen2_moe": "moe_tp_experts", "qwen3_moe": "moe_tp_experts"}
+# what Ulysses sequence parallelism (DeepSpeed 0.19.8) cannot run, and why: one line before workers start
+SP_REFUSED = {"gemma2": "attn_implementation sdpa or a flash attention (got eager",
+              "gemma3_text": "sliding-window attention (16 tokens, under data.seq_len 64)",
+              "falcon": "FalconForCausalLM calls its attention kernel itself",
+              "gpt2": "GPT2Attention splits the attention output back into heads"}
+# for the gradient comparison with one full-sequence rank: dropout off (a rank's slice draws other masks than
+# the whole sequence), and Gemma-3 again with a window no shorter than the sequence (then it runs)
+SP_CONFIG = {"opt": {"dropout": 0.0}, "gemma3_text": {"sliding_window": 64}}
+# one Ulysses registration per process serves one head layout: 4 heads with 4 key/value heads run in
+# tests/zero3_worker.py, the families with 2 key/value heads in tests/long_context_worker.py
+SP_MHA = ["gpt_neox", "opt"]
+SP_GQA = [f for f in FAMILIES if f not in SP_MHA and (f not in SP_REFUSED or f in SP_CONFIG)]
 
 
 def overrides(family: str) -> list[str]:

@@ -10,6 +10,8 @@ loss, no DeepSpeed), before Ulysses replaces transformers' sdpa for the process:
   sp-standard-z2     ZeRO-2, parallel.sequence 2, standard
   sp-fused-z1        ZeRO-1, parallel.sequence 2, fused
   sp-lora-z3         ZeRO-3, parallel.sequence 2, fused, LoRA adapters (model.lora; only they train)
+  sp-<family>-z3     ZeRO-3, parallel.sequence 2, standard, for each family of tests/families.py with 2 key/value
+                     heads that Ulysses runs (tests/zero3_worker.py runs the multi-head ones)
 
 Each engine takes one SGD step (lr 1, no clipping); the parameter change is -grad, gathered and
 compared with the reference's gradient. Writes one JSON line per case to the last argument on rank 0.
@@ -27,6 +29,7 @@ from memtrain.config.recipe import load_recipe
 from memtrain.model.build import build_config, build_model
 from memtrain.model.lora import add_lora
 from memtrain.train import long_context
+from families import FAMILIES, SP_CONFIG, SP_GQA
 
 SEQ, MBS, VOCAB = 64, 2, 300
 OVERRIDES = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -49,6 +52,26 @@ def labels_with_ignores(ids):
     labels[:, :5] = -100
     labels[0, 30:40] = -100
     return labels
+
+
+def family_recipe(family, *more):
+    """The family's tiny config (tests/families.py) at this worker's shapes."""
+    config = {**FAMILIES[family], "vocab_size": VOCAB, **SP_CONFIG.get(family, {})}
+    return load_recipe(None, [f"model.type={family}", f"model.config={json.dumps(config)}", f"data.seq_len={SEQ}",
+                              f"train.micro_batch_size={MBS}", *more])
+
+
+def sp_family_cases(families):
+    """The families' references now (before a Ulysses registration replaces sdpa for the process); returns
+    the function that runs each with parallel.sequence 2 and compares."""
+    ids = batch(0)
+    refs = {f: reference_grads(family_recipe(f), [(ids, ids)]) for f in families}
+
+    def run():
+        return [compare(f"sp-{f}-z3", refs[f], engine_grads(family_recipe(f, "parallel.sequence=2", "train.loss=standard"),
+                                                          3, lambda sp: sp.slice_batch(ids)))
+                for f in families]
+    return run
 
 
 def fresh_model(r):
@@ -114,6 +137,7 @@ def main():
     ref_sp = reference_grads(recipe(), [(ids[0], ids[0])])
     lora = ["model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,down_proj]"]
     ref_lora = reference_grads(recipe(*lora), [(ids[0], ids[0])])
+    families = sp_family_cases(SP_GQA)
 
     def dp_feed(sp):
         x, labels = dp_batches[rank]
@@ -130,6 +154,7 @@ def main():
     out.append(compare("sp-standard-z2", ref_sp, engine_grads(recipe(*sp2, "train.loss=standard"), 2, sp_feed)))
     out.append(compare("sp-fused-z1", ref_sp, engine_grads(recipe(*sp2, "train.loss=fused"), 1, sp_feed)))
     out.append(compare("sp-lora-z3", ref_lora, engine_grads(recipe(*sp2, *lora, "train.loss=fused"), 3, sp_feed)))
+    out.extend(families())
 
     # memtrain's slices against DeepSpeed's UlyssesSPDataLoaderAdapter (an independent implementation)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from conftest import allocator_peak, ROOT, _env, _free_port
+from families import SP_GQA, SP_REFUSED, overrides
 from memtrain.train import preflight
 from memtrain.model.loss import install_loss
 from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
@@ -172,6 +173,16 @@ def test_sequence_parallel_rejections(capsys, sets, world, expected):
     assert "parallel.sequence" in line and expected in line, line
 
 
+@pytest.mark.parametrize("family", SP_REFUSED)
+def test_sequence_parallel_refuses_what_ulysses_gets_wrong(capsys, family):
+    """Measured wrong or failing under Ulysses (DeepSpeed 0.19.8): attention called directly (Falcon), a
+    sliding window that lives in the mask Ulysses drops (Gemma-3 under sdpa), eager attention (Gemma-2's
+    default), heads split again after Ulysses merged them (GPT-2). One line each, before workers."""
+    argv = [x for s in [*overrides(family), "parallel.sequence=2", "data.seq_len=64"] for x in ("--set", s)]
+    line = _error(capsys, argv)
+    assert "parallel.sequence: 2" in line and SP_REFUSED[family] in line, line
+
+
 def test_sequence_parallel_rejects_zero0_and_json_mismatch(capsys, tmp_path):
     zero0 = _ds(tmp_path, lambda c: c["zero_optimization"].update(stage=0))
     line = _error(capsys, ["--deepspeed", zero0, "--set", "parallel.sequence=2"])
@@ -197,6 +208,9 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
         assert abs(row["loss"] - row["ref_loss"]) < 1e-5, row
         assert row["grad_rel_err"] < 1e-5, row
         assert row["loss_used"] == ("standard" if "standard" in case else "fused"), row
+    for family in SP_GQA:  # each family Ulysses runs (tests/families.py), 2 key/value heads
+        row = rows[f"sp-{family}-z3"]
+        assert abs(row["loss"] - row["ref_loss"]) < 1e-5 and row["grad_rel_err"] < 1e-5, row
     assert rows["slices-match-adapter"]["ranks_agreeing"] == 2.0
     summary = json.loads((tmp_path / "cases.jsonl.run" / "summary.json").read_text())
     assert summary["status"] == "completed"

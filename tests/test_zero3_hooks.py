@@ -26,6 +26,7 @@ def cases(tmp_path_factory):
     cases = {(c["variant"], c["policy"], c["backend"]): (c, ranks[1][i]) for i, c in enumerate(ranks[0])}
     cases["init"] = [json.loads((out / f"init{r}.json").read_text()) for r in range(2)]
     cases["families"] = [json.loads((out / f"families{r}.json").read_text()) for r in range(2)]
+    cases["sp"] = json.loads((out / "sp0.json").read_text())
     return cases
 
 
@@ -202,3 +203,13 @@ def test_every_family_trains_under_zero3(cases, family):
     assert moe == (["moe experts: transformers' grouped_mm fallback, a matmul per expert (float32: torch's grouped "
                     "matmul takes bf16 only); set model.dtype: bfloat16 for the grouped kernel"]
                    if family in ("mixtral", "qwen2_moe", "qwen3_moe") else [])
+
+
+def test_multi_head_families_under_sequence_parallel(cases):
+    """Ulysses on the families with as many key/value heads as heads (GPT-NeoX, OPT): gradients of one ZeRO-3
+    step with parallel.sequence 2 equal one full-sequence rank's (tests/long_context_worker.py has the rest)."""
+    from families import SP_MHA
+
+    assert [row["case"] for row in cases["sp"]] == [f"sp-{f}-z3" for f in SP_MHA]
+    for row in cases["sp"]:
+        assert abs(row["loss"] - row["ref_loss"]) < 1e-5 and row["grad_rel_err"] < 1e-5, row

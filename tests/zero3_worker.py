@@ -12,7 +12,8 @@ ZeRO-3 leaf modules); "hooked" adds `zero_optimization.leaf_module: {classes: []
 every submodule as it does by default. "frozen" and "trainable" are "leaf" with the recipe's
 train.frozen / train.trainable (memtrain.model.freeze; FREEZE below); for them each rank also records
 whether every frozen parameter is bit-identical after the steps and how many elements DeepSpeed's
-optimizer holds.
+optimizer holds. Last, Ulysses sequence parallelism on the multi-head families (tests/families.py SP_MHA):
+their gradients against one full-sequence rank, into OUT_DIR/sp<r>.json.
 """
 import json
 import sys
@@ -136,7 +137,7 @@ def _optimizer_numel(optimizer) -> int:
 
 # every family of the matrix (tests/families.py): built under zero.Init, then initialised; Gemma's, Phi-3's and
 # OLMo-2's init indexes a weight (the embedding's padding_idx row)
-from families import FAMILIES, overrides  # noqa: E402  (tests/ is this script's directory)
+from families import FAMILIES, SP_MHA, overrides  # noqa: E402  (tests/ is this script's directory)
 
 # each family trains 3 steps under ZeRO-3 with one policy; together they take every policy, the layers' own
 # arguments in sqrt segments (Gemma-2, Gemma-3) and the MoE experts in fp32
@@ -220,6 +221,11 @@ def main() -> None:
     (out_dir / f"init{rank}.json").write_text(json.dumps(init_stats(rank)))
     (out_dir / f"families{rank}.json").write_text(json.dumps({f: family_steps(f, out_dir, rank, world)
                                                               for f in FAMILIES}))
+    # last: Ulysses replaces sdpa for the rest of the process. The multi-head families' head layout, beside
+    # tests/long_context_worker.py's (one layout per process)
+    from long_context_worker import sp_family_cases
+
+    (out_dir / f"sp{rank}.json").write_text(json.dumps(sp_family_cases(SP_MHA)()))
     dist.barrier()
 
 

@@ -172,6 +172,14 @@ def _check_shapes(value, key, vocab_size: int, seq_len: int) -> None:
         raise UserError(f"model.config.vocab_size: {value('vocab_size')} is smaller than the tokenizer's {vocab_size}")
 
 
+def model_class(config) -> type:
+    """The transformers causal-LM class that `build_model` makes for `config`; the lazy mapping imports the
+    family's modeling module."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
 def build_model(section: ModelSection, config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 

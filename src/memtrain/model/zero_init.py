@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from memtrain.config.recipe import ModelSection
-from memtrain.model.build import build_model
+from memtrain.model.build import build_model, model_class
 
 
 def build_model_zero3(section: ModelSection, config, ds_config: dict) -> nn.Module:
@@ -66,9 +66,7 @@ def _import_model_class(config) -> None:
     transformers imports a family's module on first use and decorates some classes after their definition
     (`use_experts_implementation` wraps the MoE experts' `__init__` to keep the config): a module first imported
     inside zero.Init loses those wrappers for the rest of the process (MixtralExperts without `config`)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the lazy mapping imports the module
+    model_class(config)
 
 
 @contextmanager

@@ -21,16 +21,23 @@ the slices against the adapter's.
 """
 from __future__ import annotations
 
+import copy
+import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
 from memtrain.errors import UserError
+from memtrain.model.build import model_class
 
 # attention implementations Ulysses cannot wrap (DeepSpeed rejects them: they need a 4D mask)
 _UNSUPPORTED_ATTENTION = ("eager", "paged|eager")
-_REGISTERED: dict = {}  # (size, attention, micro batch, sequence) -> mpu, for this process
+# families whose attention splits its output's last dimension back into heads (`reshape(*shape[:-2], -1)`,
+# GPT-2) where Ulysses returns the heads already merged: the output projection gets the wrong shape
+_HEADS_MERGED_TOO_EARLY = {"gpt2": "GPT2Attention"}
+_REGISTERED: dict = {}  # (size, attention, micro batch, sequence, heads) -> mpu, for this process
 
 
 def check(sp: int, config, seq_len: int, world: int, stage: int, attn_impl: Optional[str]) -> None:
@@ -42,10 +49,27 @@ def check(sp: int, config, seq_len: int, world: int, stage: int, attn_impl: Opti
     if stage == 0:
         raise UserError(f"parallel.sequence: {sp} needs ZeRO stage 1, 2 or 3 in the DeepSpeed JSON "
                         "(DeepSpeed 0.19.8's Ulysses crashes with stage 0)")
+    cls = model_class(config)
+    # what transformers picks when the recipe names none: sdpa where the family supports it (Gemma-2 does not)
+    attn_impl = attn_impl or ("sdpa" if getattr(cls, "_supports_sdpa", False) else "eager")
     if attn_impl in _UNSUPPORTED_ATTENTION:
         raise UserError(f"parallel.sequence: {sp} needs model.config.attn_implementation sdpa or a flash "
                         f"attention (got {attn_impl}: Ulysses cannot pass its 4D mask)")
+    if not hasattr(sys.modules[cls.__module__], "ALL_ATTENTION_FUNCTIONS"):
+        raise UserError(f"parallel.sequence: {sp}: {cls.__name__} calls its attention kernel itself, not through "
+                        "transformers' attention functions that Ulysses replaces: each rank would attend to its "
+                        "own slice only; set parallel.sequence 1")
+    if config.model_type in _HEADS_MERGED_TOO_EARLY:
+        raise UserError(f"parallel.sequence: {sp}: {_HEADS_MERGED_TOO_EARLY[config.model_type]} splits the "
+                        "attention output back into heads, which Ulysses returns merged; set parallel.sequence 1")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window, kinds = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    if window and window < seq_len and (kinds is None or "sliding_attention" in kinds) \
+            and not attn_impl.startswith("flash"):
+        raise UserError(f"parallel.sequence: {sp}: {cls.__name__}'s sliding-window attention ({window} tokens, "
+                        f"under data.seq_len {seq_len}) lives in the mask, which Ulysses drops under {attn_impl}; "
+                        "use model.config.attn_implementation flash_attention_2 (it takes the window as an "
+                        "argument) or parallel.sequence 1")
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     if heads % sp:
@@ -122,16 +146,22 @@ def setup(model, sp: int, stage: int, micro_batch: int, seq_len: int):
         return None, SequenceParallel(data_rank=rank, data_world=world)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    key = (sp, model.config._attn_implementation, micro_batch, seq_len)
+    text = model.config.get_text_config()
+    heads = (text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    key = (sp, model.config._attn_implementation, micro_batch, seq_len, heads)
     if key not in _REGISTERED:  # the registration is process-wide and can happen once (see above)
         if _REGISTERED:
             raise UserError(f"parallel.sequence: this process already registered Ulysses attention for "
-                            f"{next(iter(_REGISTERED))} (size, attention, micro batch, sequence); start a new process")
+                            f"{next(iter(_REGISTERED))} (size, attention, micro batch, sequence, (heads, key/value heads)); start a new process")
         from memtrain.model import attention
 
         attention.remember(model.config._attn_implementation)  # the planner's profile runs the plain one
+        # DeepSpeed reads num_key_value_heads, which multi-head families' configs (GPT-2) do not carry: it
+        # gets a copy of the config with it filled in; the model's own config is left as it is
+        described = copy.deepcopy(model.config)
+        described.get_text_config().num_key_value_heads = heads[1]
         _REGISTERED[key] = UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=model, core_attn_implementation=model.config._attn_implementation,
+            model_name_or_path=SimpleNamespace(config=described), core_attn_implementation=model.config._attn_implementation,
             sequence_parallel_size=sp, micro_batch_size=micro_batch, seq_length=seq_len, seq_length_is_variable=False)
     mpu = _REGISTERED[key]
     # Every rank of a group backpropagates the same all-gathered loss, so each parameter gradient
