@@ -14,7 +14,7 @@ from memtrain.recompute.hooks import apply_plan
 from memtrain.tools.ac_profile import main as ac_profile_main
 from memtrain.tools.ac_profile import max_rel_err, measure_step
 from memtrain.errors import UserError
-from memtrain.memory.tracker import ActivationMeter
+from memtrain.recompute.meter import ActivationMeter
 from memtrain.model.build import build_config, build_model
 from memtrain.config.recipe import ModelSection
 

@@ -1,11 +1,11 @@
-"""memtrain.model.flops against torch's FlopCounterMode on one CPU training step of small models."""
+"""memtrain.memory.flops against torch's FlopCounterMode on one CPU training step of small models."""
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memtrain.recompute.hooks import apply_plan
 from memtrain.recompute.policy import plan_for
-from memtrain.model.flops import (attention_score_recompute_flops_per_token, device_peak_tflops, model_flops_per_token, recompute_flops_per_token)
+from memtrain.memory.flops import (attention_score_recompute_flops_per_token, device_peak_tflops, model_flops_per_token, recompute_flops_per_token)
 
 SEQ, BATCH, VOCAB = 32, 2, 128
 BASE = dict(hidden_size=64, num_hidden_layers=2, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
@@ -52,7 +52,7 @@ def test_model_flops_match_flop_counter(type_):
 
 
 def test_fused_attention_adds_its_score_recompute():
-    # SDPA's CPU flash kernel (formula registered by memtrain.model.flops, like torch's CUDA ones)
+    # SDPA's CPU flash kernel (formula registered by memtrain.memory.flops, like torch's CUDA ones)
     # recomputes Q·K^T in its backward; the counter sees it, model FLOPs do not include it
     config, model = _model("llama", attn="sdpa")
     counted = _counted(model)

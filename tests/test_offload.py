@@ -17,7 +17,7 @@ from conftest import FAST, ROOT, assert_ok, run_train
 from memtrain.recompute.hooks import apply_plan, checkpoint_function
 from memtrain.recompute.policy import plan_for
 from memtrain.errors import UserError
-from memtrain.memory.tracker import ActivationMeter
+from memtrain.recompute.meter import ActivationMeter
 from memtrain.model.build import build_config, build_model, decoder_layers
 from memtrain.recompute.offload import ActivationOffloader, HostBufferPool, offload_flags, offload_units
 from memtrain.config.recipe import ModelSection

@@ -30,7 +30,7 @@ from memtrain.recompute.policy import plan_for
 from memtrain.config.ds_config import load_ds_config
 from memtrain.config.recompute_spec import resolve_recompute
 from memtrain.errors import UserError
-from memtrain.memory.tracker import ActivationMeter
+from memtrain.recompute.meter import ActivationMeter
 from memtrain.units import GIB
 from memtrain.config.recipe import load_recipe
 

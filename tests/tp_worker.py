@@ -23,7 +23,7 @@ import torch
 
 from memtrain.config.recompute_spec import resolve_recompute
 from memtrain.config.recipe import ACSection, ModelSection
-from memtrain.memory.tracker import ActivationMeter
+from memtrain.recompute.meter import ActivationMeter
 from memtrain.model.build import build_config, build_model
 from memtrain.model.data import RandomTokens
 from memtrain.model.zero_init import build_model_zero3

@@ -236,7 +236,7 @@ class Recipe(_Strict):
 
 # --------------------------------------------------------------------------- loading
 
-def _did_you_mean(model: type[BaseModel], loc: tuple) -> str:
+def did_you_mean(model: type[BaseModel], loc: tuple) -> str:
     """Suggest the closest valid key for an unknown key at `loc`."""
     cls: Any = model
     for part in loc[:-1]:
@@ -258,7 +258,7 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
     loc = tuple(e["loc"])
     key = ".".join(str(p) for p in loc) or "<root>"
     if e["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{key}'; {_did_you_mean(model, loc)}"
+        return f"{source}: unknown key '{key}'; {did_you_mean(model, loc)}"
     value = e.get("input")
     shown = f" (got {value!r})" if not isinstance(value, (dict, list)) else ""
     return f"{source}: {key}: {e['msg']}{shown}"

@@ -1,1 +1,1 @@
-"""Memory: the activation tracker, the peak-memory estimate, the `auto` planner."""
+"""Memory and FLOPs: the peak-memory estimate, the `auto` planner, FLOPs per token."""

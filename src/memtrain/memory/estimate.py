@@ -8,7 +8,7 @@ Activation sizes are measured, not derived from formulas: the real transformers 
 decoder layer runs one forward and backward per AC mode at the target micro-batch, sequence
 length and dtype, on fake tensors (`FakeTensorMode`: shapes only, nothing allocated); a 2-layer
 run separates the layer from what lies around it. A tracker follows every tensor storage through
-the step (`memtrain.memory.tracker.StepTracker`), so the measurement covers any decoder family, attention kernel, dtype
+the step (`memtrain.recompute.meter.StepTracker`), so the measurement covers any decoder family, attention kernel, dtype
 and whatever the AC modes really keep. The layer count scales it: the live bytes at any point
 are prefix sums of per-layer costs (`activation_peak`), which tests check against real steps.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP, OP
-from memtrain.recompute.hooks import _pattern, _sublayer
+from memtrain.recompute.hooks import module_pattern, sublayer
 from memtrain.memory import tensor_parallel
 from memtrain.memory.target import Target
 from memtrain.memory.states import ModelStates, model_states
@@ -254,7 +254,7 @@ def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[str, ...]
     layer0 = dict(model1.named_modules())[f"{layer_path}.0"]
     for mode in (ATTN, MLP):
         try:
-            sub[mode] = next(n for n, m in layer0.named_children() if m is _sublayer(layer0, mode))
+            sub[mode] = next(n for n, m in layer0.named_children() if m is sublayer(layer0, mode))
         except Exception:  # noqa: BLE001 - a family without that sublayer
             pass
     taken = set()
@@ -266,7 +266,7 @@ def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[str, ...]
     per_layer: list[list[str]] = [[] for _ in range(num_layers)]
     notes, unmodelled = [], []
     for text in plan.modules:
-        rx = _pattern(text)
+        rx = module_pattern(text)
         found = [n for n in names if rx.match(n)]
         if not found:
             notes.append(f"modules pattern '{text}' matches no module (apply_plan refuses it); not modelled")

@@ -3,7 +3,7 @@
 The real transformers model with one decoder layer runs one forward and backward per AC mode at the target
 micro-batch, sequence length and dtype, on fake tensors (`FakeTensorMode`: shapes only, nothing allocated);
 a 2-layer run separates the layer from what lies around it. A tracker follows every tensor storage through
-the step (`memtrain.memory.tracker.StepTracker`), so the measurement covers any decoder family, attention
+the step (`memtrain.recompute.meter.StepTracker`), so the measurement covers any decoder family, attention
 kernel, dtype and whatever the AC modes really keep.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP
 from memtrain.recompute.hooks import apply_plan, find_sublayer, remove_plan
 from memtrain.memory import tensor_parallel
-from memtrain.memory.tracker import ActivationMeter, StepTracker
+from memtrain.recompute.meter import ActivationMeter, StepTracker
 from memtrain.memory.target import Target
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
@@ -131,7 +131,7 @@ def mode_plan(model, modes) -> ACPlan:
 def _run(model, modes, target: Target) -> dict:
     """One forward+backward under a per-layer plan (mode tuple or ACPlan): the live-bytes curve with
     per-layer marks."""
-    from memtrain.model.flops import flop_counter
+    from memtrain.memory.flops import flop_counter
     from memtrain.model.build import decoder_layers
 
     _, layers = decoder_layers(model)

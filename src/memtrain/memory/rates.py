@@ -20,9 +20,12 @@ class Rates:
         return asdict(self)
 
 
-def _timed(fn, reps: int = 3) -> float:
-    from memtrain.train.metrics import synchronize
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
+
+def _timed(fn, reps: int = 3) -> float:
     fn()
     synchronize()
     t0 = time.perf_counter()

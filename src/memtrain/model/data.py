@@ -22,6 +22,11 @@ from memtrain.config.recipe import DataSection
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # everything else: "text"
 
 
+def builder_for(path: Path) -> str:
+    """The `datasets` builder that reads a data file, by its suffix: json, parquet, or text."""
+    return _BUILDERS.get(path.suffix.lower(), "text")
+
+
 # --------------------------------------------------------------------------- tokenizers
 
 class ByteTokenizer:
@@ -100,7 +105,7 @@ def _read_texts(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[st
     datasets.disable_progress_bars()
     groups: dict[str, list[str]] = {}
     for f in files:
-        groups.setdefault(_BUILDERS.get(f.suffix.lower(), "text"), []).append(str(f))
+        groups.setdefault(builder_for(f), []).append(str(f))
     texts: list[str] = []
     budget = cfg.max_bytes or float("inf")
     for builder, paths in groups.items():
@@ -130,8 +135,8 @@ def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dic
     keys = [cfg.messages_key] if cfg.format == "chat" else [cfg.prompt_key, cfg.response_key]
     rows: list[dict] = []
     for f in files:
-        builder = _BUILDERS.get(f.suffix.lower())
-        if builder is None:
+        builder = builder_for(f)
+        if builder == "text":
             raise UserError(f"data.paths: {f}: data.format '{cfg.format}' reads JSON lines or parquet, not "
                             f"{f.suffix or 'extensionless'} files")
         try:

@@ -23,10 +23,10 @@ def check_seq_len(data: DataSection) -> None:
 
 
 def check_data_files(files: list[Path], data: DataSection) -> None:
-    from memtrain.model.data import _BUILDERS
+    from memtrain.model.data import builder_for
 
     for f in files:
-        builder = _BUILDERS.get(f.suffix.lower(), "text")
+        builder = builder_for(f)
         if f.stat().st_size == 0:
             continue  # empty files are allowed beside others (check_text covers all-empty)
         if builder == "parquet":

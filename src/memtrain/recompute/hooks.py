@@ -33,9 +33,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from memtrain.errors import UserError
-from memtrain.memory.tracker import current_activation_meter
+from memtrain.recompute.meter import current_activation_meter
 from memtrain.config.recompute_spec import RecomputeSpec
-from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, _SUBLAYERS, ACPlan, op_rules
+from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, SUBLAYER_NAMES, ACPlan, op_rules
 from memtrain.recompute.offload import ActivationOffloader
 
 def _draws_random(func, args, kwargs) -> bool:
@@ -365,21 +365,23 @@ def _checkpoint_module(module: nn.Module, fn: Callable) -> None:
 def find_sublayer(layer: nn.Module, mode: str) -> Optional[nn.Module]:
     """The layer's attention (mode 'attn') or MLP ('mlp') sublayer, or None where it has none by a known name
     (OPT's MLP is fc1/fc2 directly on the layer)."""
-    return next((getattr(layer, name) for name in _SUBLAYERS[mode]
+    return next((getattr(layer, name) for name in SUBLAYER_NAMES[mode]
                  if isinstance(getattr(layer, name, None), nn.Module)), None)
 
 
-def _sublayer(layer: nn.Module, mode: str) -> nn.Module:
+def sublayer(layer: nn.Module, mode: str) -> nn.Module:
+    """The layer's attention or MLP sublayer (`find_sublayer`); one line naming its submodules if it has none."""
     found = find_sublayer(layer, mode)
     if found is not None:
         return found
     children = ", ".join(name for name, _ in layer.named_children())
     raise UserError(f"activation_checkpointing.policy: {type(layer).__name__} has no {mode} sublayer named "
-                    f"{' / '.join(_SUBLAYERS[mode])} (its submodules: {children}); every policy but "
+                    f"{' / '.join(SUBLAYER_NAMES[mode])} (its submodules: {children}); every policy but "
                     f"selective:{mode} works, or policy 'modules' with module-path patterns of those")
 
 
-def _pattern(text: str) -> re.Pattern:
+def module_pattern(text: str) -> re.Pattern:
+    """An `activation_checkpointing.modules` pattern as a regex: '*' stands for one part of a module path."""
     return re.compile("^" + r"[^.]+".join(re.escape(part) for part in text.strip().split("*")) + "$")
 
 
@@ -387,7 +389,7 @@ def _match_modules(model: nn.Module, patterns) -> list[str]:
     names = [n for n, _ in model.named_modules() if n]
     hits = []
     for text in patterns:
-        rx = _pattern(text)
+        rx = module_pattern(text)
         found = [n for n in names if rx.match(n)]
         if not found:
             examples = ", ".join(n for n in names if re.search(r"\.0\.[^.]+$", n))[:160]
@@ -439,7 +441,7 @@ def apply_plan(model: nn.Module, plan: ACPlan) -> list[str]:
         if mode in (FULL, OP):
             units.append(layer)
         elif mode in (ATTN, MLP):
-            units.append(_sublayer(layer, mode))
+            units.append(sublayer(layer, mode))
         if mode != KEEP:
             _checkpoint_module(units[-1], checkpoint_function(plan, i, offloader))
     for start, stop in plan.segments:

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from memtrain.memory.tracker import current_activation_meter
+from memtrain.recompute.meter import current_activation_meter
 
 PREFETCH_DEPTH = 2  # offloaded layers copied back ahead of the recompute that needs them
 
@@ -267,7 +267,7 @@ class _Slot:
         self.reached = False
 
 
-class _Alias(torch.autograd.Function):
+class StorageAlias(torch.autograd.Function):
     """A second tensor object on the same storage, with the gradient passed through. Not a view:
     a view would keep the original alive through `_base`, and no memory would be freed."""
 
@@ -368,7 +368,7 @@ class ActivationOffloader:
         if ds_checkpointing.CPU_CHECKPOINT:
             raise RuntimeError("memtrain offload: DeepSpeed's own CPU_CHECKPOINT is on as well; configure "
                                "DeepSpeed with memtrain.recompute.hooks.configure_deepspeed_ac(spec, number_checkpoints)")
-        args = tuple(_Alias.apply(a) if self._is_device_tensor(a) else a for a in args)
+        args = tuple(StorageAlias.apply(a) if self._is_device_tensor(a) else a for a in args)
         out = checkpoint_fn(function, *args, **kwargs)
         restore = []
         for a in args:

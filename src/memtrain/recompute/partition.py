@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from memtrain.recompute.offload import _Alias
+from memtrain.recompute.offload import StorageAlias
 
 
 def tp_mpu(plan, tp: int):
@@ -50,7 +50,7 @@ def protect_inputs(args: tuple) -> tuple:
     """Hand DeepSpeed aliases of the floating-point inputs (same storage, not views) so that emptying
     them in place leaves the caller's tensors whole: a model returning `output_hidden_states` holds a
     layer's input and must not see a shape-() tensor. Memory is freed as before once the caller drops it."""
-    return tuple(_Alias.apply(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    return tuple(StorageAlias.apply(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def saved_by_deepspeed(args) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ POLICY_HELP = ("none | full | every:K | first:N | sqrt | selective:attn | select
                "full, sqrt, op and selective:* also take +first:N, and all but sqrt +every:K (e.g. op+first:4)")
 _BASES = {"full": FULL, "sqrt": FULL, "op": OP, "selective:attn": ATTN, "selective:mlp": MLP}
 # Attribute names of the attention / MLP sublayer across transformers decoder families.
-_SUBLAYERS = {ATTN: ("self_attn", "attn", "attention", "self_attention"),
+SUBLAYER_NAMES = {ATTN: ("self_attn", "attn", "attention", "self_attention"),
               MLP: ("mlp", "feed_forward", "ffn", "block_sparse_moe")}
 OP_GROUPS = {
     # MoE experts: torch's grouped matmul (bf16), or transformers' fallback op for other dtypes (model.moe)

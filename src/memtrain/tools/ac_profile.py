@@ -16,7 +16,7 @@ per policy on the same random token batch and writes a table (stdout) and a CSV
   recomputes the backward only frees activations, so these samples contain the peak.
   Gradients and the backward's own temporaries are not activations and are not counted;
 * flops_total: forward + backward + recompute FLOPs (`torch.utils.flop_counter.FlopCounterMode`,
-  with `memtrain.model.flops`' formulas for CPU flash attention and MoE `aten._grouped_mm` added);
+  with `memtrain.memory.flops`' formulas for CPU flash attention and MoE `aten._grouped_mm` added);
 * recompute_overhead: flops_total / flops_total(none) - 1;
 * max_grad_rel_err: max over parameters of ||g - g_none|| / ||g_none|| (fp32, same seed).
 """
@@ -35,9 +35,9 @@ from torch import nn
 
 from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, plan_for
 from memtrain.recompute.hooks import apply_plan, observe_recompute
-from memtrain.model.flops import flop_counter
+from memtrain.memory.flops import flop_counter
 from memtrain.errors import ArgumentParser, UserError, cli_entry
-from memtrain.memory.tracker import ActivationMeter, StepTracker
+from memtrain.recompute.meter import ActivationMeter, StepTracker
 
 DEFAULT_OUT = "reports/ac_profile.csv"
 CPU_SEQ_LEN = 128  # default profile shape: min(recipe seq_len, this) x batch 1

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from memtrain.train.faults import is_oom_text
 from memtrain.errors import UserError
-from memtrain.config.recipe import Recipe, _did_you_mean, format_validation_error, load_yaml
+from memtrain.config.recipe import Recipe, did_you_mean, format_validation_error, load_yaml
 
 DEFAULT_SWEEP = "recipes/sweeps/tiny-cpu.yaml"
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -83,7 +83,7 @@ def _check_recipe_key(key: str, where: str) -> None:
                 return  # free-form section (model.config)
             raise UserError(f"{where}: '{'.'.join(parts[:i])}' is not a section of the recipe")
         if part not in cls.model_fields:
-            raise UserError(f"{where}: unknown recipe key '{key}'; {_did_you_mean(Recipe, tuple(parts[:i + 1]))}")
+            raise UserError(f"{where}: unknown recipe key '{key}'; {did_you_mean(Recipe, tuple(parts[:i + 1]))}")
         cls = cls.model_fields[part].annotation
     if isinstance(cls, type) and issubclass(cls, BaseModel):
         raise UserError(f"{where}: '{key}' is a section; name a key in it ({', '.join(cls.model_fields)}), "

@@ -26,11 +26,6 @@ def host_rss_gib() -> float:
     return psutil.Process().memory_info().rss / GIB
 
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def medians(history: list[dict[str, float]], skip: int) -> dict[str, float]:
     """Median of every metric over the steps after the first `skip` (all steps if too few)."""
     rows = history[skip:] or history

@@ -34,7 +34,7 @@ from memtrain.memory.target import compute_dtype
 from memtrain.memory.planner import predict_run
 from memtrain.units import GIB
 from memtrain.config.args import RunArgs, parse_args
-from memtrain.model.data import _BUILDERS, build_tokenizer, resolve_files
+from memtrain.model.data import build_tokenizer, builder_for, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log
@@ -271,7 +271,7 @@ def check_text(files: list[Path], data: DataSection) -> None:
         size = f.stat().st_size
         if size == 0:
             return False
-        if _BUILDERS.get(f.suffix.lower(), "text") == "text" and size < (1 << 16):
+        if builder_for(f) == "text" and size < (1 << 16):
             return bool(f.read_text(errors="replace").strip())
         return True
 

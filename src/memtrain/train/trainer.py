@@ -33,8 +33,8 @@ from memtrain.train.optimizer import engine_arguments, own_sections
 from memtrain.errors import EXIT_RUN_FAILED, RunFailed
 from memtrain.train.faults import (RunPosition, disk_full_message, is_oom, nonfinite_loss_message,
                                    nonfinite_weights_message, oom_message, write_failure)
-from memtrain.model.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
-from memtrain.memory.tracker import ActivationMeter
+from memtrain.memory.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
+from memtrain.recompute.meter import ActivationMeter
 from memtrain.units import GIB
 from memtrain.train.metrics import IntervalTimer, device_memory, host_rss_gib, medians, reset_device_peak
 from memtrain.model.build import build_model
@@ -582,7 +582,7 @@ def _write_config(run_dir: Path, args: RunArgs, ds_config: dict, world: int, pla
 
 
 def _recompute_flops(config, seq_len: int, plan) -> Optional[float]:
-    """FLOPs per token the plan's recompute adds (memtrain.model.flops' model of torch's checkpoint); None
+    """FLOPs per token the plan's recompute adds (memtrain.memory.flops' model of torch's checkpoint); None
     where that model has no answer (module-pattern plans)."""
     if plan.modules:
         return None
