@@ -201,17 +201,17 @@ def test_dp_with_offload_keeps_its_plans_within_the_limit(tiny):
     limit calls for offload."""
     _, _, profile = tiny
     choices = planner.available_choices(profile, "torch", offload=True)
-    assert "full+offload" in choices
+    assert mm.LayerChoice("full", offload=True) in choices
     rates = mm.Rates(1e12, 1e11, 1e10, "cpu")
     seconds = {c: planner.choice_seconds(profile, rates, c) for c in choices}
-    plans = [p for p in itertools.product(choices, repeat=profile.num_layers) if not p[-1].endswith("+offload")]
+    plans = [p for p in itertools.product(choices, repeat=profile.num_layers) if not p[-1].offload]
     peaks = sorted({mm.activation_peak(profile, p)[0] for p in plans})
     offloaded = 0
     for limit in peaks[:: max(1, len(peaks) // 40)]:
         chosen = planner.solve(profile, limit, choices, seconds)
         if chosen is not None:
             assert mm.activation_peak(profile, chosen)[0] <= limit, (limit, chosen)
-            offloaded += any(c.endswith("+offload") for c in chosen)
+            offloaded += any(c.offload for c in chosen)
     assert offloaded
 
 

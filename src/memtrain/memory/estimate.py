@@ -26,8 +26,8 @@ peak for any plan) and `rates` (this machine's rates for the time model). This m
 """
 from __future__ import annotations
 
-from memtrain.memory.predict import (ALLOCATOR_MARGIN, ALLOCATOR_MARGIN_BYTES, OFFLOAD, Prediction, Unit,
-                                     activation_peak, allocator_margin, choice_mode, layer_footprint, plan_choices,
+from memtrain.memory.predict import (ALLOCATOR_MARGIN, ALLOCATOR_MARGIN_BYTES, LayerChoice, Prediction, Unit,
+                                     activation_peak, allocator_margin, as_choice, layer_footprint, plan_choices,
                                      plan_units, predict, predict_plan, unit_footprint)
 from memtrain.memory.profile import (CUDA_BLOCK, MODULES, ActivationProfile, LayerCost, fake_model, mode_plan,
                                      modules_mode, profile_activations, supported_modes)
@@ -35,4 +35,4 @@ from memtrain.memory.rates import Rates, measure_rates
 from memtrain.memory.states import ModelStates, model_states
 from memtrain.memory.target import Target, compute_dtype, make_target, model_and_config, recompute_spec
 
-__all__ = ["predict", "ALLOCATOR_MARGIN", "ALLOCATOR_MARGIN_BYTES", "ActivationProfile", "CUDA_BLOCK", "LayerCost", "MODULES", "ModelStates", "OFFLOAD", "Prediction", "Rates", "Target", "Unit", "activation_peak", "allocator_margin", "choice_mode", "compute_dtype", "fake_model", "layer_footprint", "make_target", "mode_plan", "measure_rates", "model_and_config", "model_states", "modules_mode", "plan_choices", "plan_units", "predict_plan", "profile_activations", "recompute_spec", "supported_modes", "unit_footprint"]
+__all__ = ["predict", "ALLOCATOR_MARGIN", "ALLOCATOR_MARGIN_BYTES", "ActivationProfile", "CUDA_BLOCK", "LayerCost", "MODULES", "LayerChoice", "ModelStates", "Prediction", "Rates", "Target", "Unit", "activation_peak", "allocator_margin", "as_choice", "compute_dtype", "fake_model", "layer_footprint", "make_target", "mode_plan", "measure_rates", "model_and_config", "model_states", "modules_mode", "plan_choices", "plan_units", "predict_plan", "profile_activations", "recompute_spec", "supported_modes", "unit_footprint"]

@@ -30,7 +30,8 @@ from memtrain.config.recompute_spec import RecomputeSpec
 from memtrain.recompute.policy import ACPlan, build_plan
 from memtrain.errors import UserError
 from memtrain.units import gib
-from memtrain.memory.predict import OFFLOAD, Prediction, activation_peak, allocator_margin, choice_mode, layer_footprint, predict
+from memtrain.memory.predict import (LayerChoice, Prediction, activation_peak, allocator_margin, layer_footprint,
+                                    predict)
 from memtrain.memory.profile import ActivationProfile
 from memtrain.memory.rates import Rates
 from memtrain.memory.states import ModelStates, model_states
@@ -38,25 +39,25 @@ from memtrain.memory.target import Target
 
 # --------------------------------------------------------------------------- choices and their time
 
-def available_choices(profile: ActivationProfile, backend: str, offload: bool) -> tuple[str, ...]:
+def available_choices(profile: ActivationProfile, backend: str, offload: bool) -> tuple[LayerChoice, ...]:
     """What a layer may do: the measured modes (op only under torch's checkpoint), and full+offload
     where offload saves device memory (a GPU with measured host-link bandwidth)."""
     modes = [m for m in ("keep", "op", "attn", "mlp", "full") if m in profile.layers]
     if backend == "deepspeed" and "op" in modes:
         modes.remove("op")  # op-level recompute needs torch's non-reentrant checkpoint
+    choices = [LayerChoice(m) for m in modes]
     if offload and "full" in modes:
-        modes.append("full" + OFFLOAD)
-    return tuple(modes)
+        choices.append(LayerChoice("full", offload=True))
+    return tuple(choices)
 
 
-def choice_seconds(profile: ActivationProfile, rates: Rates, choice: str) -> float:
+def choice_seconds(profile: ActivationProfile, rates: Rates, choice: LayerChoice) -> float:
     """Predicted extra step time of one layer under `choice`, over keeping everything."""
     from memtrain.recompute.offload import PREFETCH_DEPTH
 
-    mode, offload = choice_mode(choice)
-    c = profile.layers[mode]
+    c = profile.layers[choice.mode]
     seconds = c.recompute_flops / rates.flops_per_s + c.recompute_written / rates.bytes_per_s
-    if offload:
+    if choice.offload:
         copy_s = c.input_bytes / rates.host_bytes_per_s
         fwd_s = c.fwd_flops / rates.flops_per_s
         bwd_s = c.bwd_flops / rates.flops_per_s
@@ -66,19 +67,19 @@ def choice_seconds(profile: ActivationProfile, rates: Rates, choice: str) -> flo
 
 # --------------------------------------------------------------------------- the exact DP
 
-def _prefetch_unit(profile: ActivationProfile, choices: tuple[str, ...]) -> tuple[int, int]:
+def _prefetch_unit(profile: ActivationProfile, choices: tuple[LayerChoice, ...]) -> tuple[int, int]:
     """(offloaded layers memtrain.recompute.offload restores ahead, bytes of one offloaded input); (0, 0) without offload."""
     from memtrain.recompute.offload import PREFETCH_DEPTH
 
-    offloaded = [c for c in choices if choice_mode(c)[1]]
+    offloaded = [c for c in choices if c.offload]
     if not offloaded:
         return 0, 0
-    return PREFETCH_DEPTH, max(profile.layers[choice_mode(c)[0]].input_bytes for c in offloaded)
+    return PREFETCH_DEPTH, max(profile.layers[c.mode].input_bytes for c in offloaded)
 
 
-def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[str, ...],
-          seconds: dict[str, float], num_layers: Optional[int] = None,
-          backward_extra: int = 0) -> Optional[tuple[str, ...]]:
+def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[LayerChoice, ...],
+          seconds: dict[LayerChoice, float], num_layers: Optional[int] = None,
+          backward_extra: int = 0) -> Optional[tuple[LayerChoice, ...]]:
     """The plan with the least predicted time whose activation peak fits `activation_limit`; None if none.
 
     State after layer i: bytes its layers leave alive (the prefix, which every later constraint
@@ -94,7 +95,7 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[str,
     side_stream = profile.target.device == "cuda"
     foot = {c: layer_footprint(profile, c) for c in choices}
     # last layer: no offload (the backward needs its input first, before any copy back could overlap)
-    last_choices = tuple(c for c in choices if not c.endswith(OFFLOAD))
+    last_choices = tuple(c for c in choices if not c.offload)
     # states: (prefix bytes, seconds, back-pointer, offloaded layers below (capped), last layer offloaded)
     front = [(profile.base, 0.0, None, 0, False)]
     history = []
@@ -103,7 +104,7 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[str,
         for idx, (prefix, secs, _, below, last_off) in enumerate(front):
             for choice in (last_choices if i == n - 1 else choices):
                 resident, fwd, bwd = foot[choice]
-                offload = choice_mode(choice)[1]
+                offload = choice.offload
                 side = inp if side_stream and last_off else 0
                 ahead = min(depth, below) * inp
                 if (prefix + fwd + side <= activation_limit and prefix + resident + profile.head_net + bwd + ahead
@@ -134,19 +135,19 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[str,
     return tuple(reversed(plan))
 
 
-def feasible(profile: ActivationProfile, activation_limit: int, choices: tuple[str, ...],
-             backward_extra: int = 0) -> Optional[tuple[str, ...]]:
+def feasible(profile: ActivationProfile, activation_limit: int, choices: tuple[LayerChoice, ...],
+             backward_extra: int = 0) -> Optional[tuple[LayerChoice, ...]]:
     """Some plan whose activation peak fits, or None: the DP with every choice free, which keeps
     one state (the fewest bytes alive) per offload key and layer."""
     return solve(profile, activation_limit, choices, {c: 0.0 for c in choices}, backward_extra=backward_extra)
 
 
-def smallest_peak(profile: ActivationProfile, choices: tuple[str, ...],
-                  backward_extra: int = 0) -> tuple[int, tuple[str, ...]]:
+def smallest_peak(profile: ActivationProfile, choices: tuple[LayerChoice, ...],
+                  backward_extra: int = 0) -> tuple[int, tuple[LayerChoice, ...]]:
     """The smallest activation peak (with `backward_extra` in the backward) any plan reaches, and
     a plan reaching it: bisection on the limit with `feasible`."""
     lo, hi = 0, max(activation_peak(profile, (c,) * profile.num_layers)[0]
-                    for c in choices if not c.endswith(OFFLOAD)) + backward_extra
+                    for c in choices if not c.offload) + backward_extra
     best = feasible(profile, hi, choices, backward_extra)
     while hi - lo > max(4096, hi >> 12):  # to 0.025% of the peak
         mid = (lo + hi) // 2
@@ -164,23 +165,24 @@ def smallest_peak(profile: ActivationProfile, choices: tuple[str, ...],
 class PlanResult:
     """What `policy: auto` chose, and why."""
 
-    layers: tuple[str, ...]  # per layer: a choice (mode, or full+offload)
+    layers: tuple[LayerChoice, ...]  # per layer
     prediction: Prediction
     budget: int
     seconds: float  # predicted extra step time over keeping everything
-    uniform: dict[str, dict] = field(default_factory=dict)  # per choice: peak and seconds of the uniform plan
+    uniform: dict[str, dict] = field(default_factory=dict)  # per choice (as printed): peak and seconds of the uniform plan
     rates: Optional[dict] = None
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return tuple(choice_mode(c)[0] for c in self.layers)
+        return tuple(c.mode for c in self.layers)
 
     @property
     def offload(self) -> tuple[bool, ...]:
-        return tuple(choice_mode(c)[1] for c in self.layers)
+        return tuple(c.offload for c in self.layers)
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["layers"] = [str(c) for c in self.layers]
         d["prediction"] = self.prediction.to_dict()
         d["predicted_peak_gib"] = gib(self.prediction.peak)
         return d
@@ -198,7 +200,8 @@ class PlanResult:
         ])
 
 
-def activation_limit(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...], budget: int) -> int:
+def activation_limit(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],
+                     budget: int) -> int:
     """Bytes the activations may peak at: the budget less model states and allocator margin
     (negative when even the optimizer step's fp32 gradients do not fit). The backward's ZeRO-1/2
     reduce buffers are not taken off: `solve` adds them to the backward constraints."""
@@ -207,7 +210,7 @@ def activation_limit(profile: ActivationProfile, states: ModelStates, choices: t
     return limit if states.update <= limit else -1
 
 
-def predicted_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...],
+def predicted_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],
                    rates: Rates, budget: int) -> Optional[PlanResult]:
     seconds = {c: choice_seconds(profile, rates, c) for c in choices}
     limit = activation_limit(profile, states, choices, budget)
@@ -217,7 +220,7 @@ def predicted_plan(profile: ActivationProfile, states: ModelStates, choices: tup
     uniform = {}
     for c in choices:
         pred = predict(profile, states, (c,) * profile.num_layers)
-        uniform[c] = {"peak_gib": gib(pred.peak), "seconds": seconds[c] * profile.num_layers,
+        uniform[str(c)] = {"peak_gib": gib(pred.peak), "seconds": seconds[c] * profile.num_layers,
                       "fits": pred.peak <= budget}
     return PlanResult(plan, predict(profile, states, plan), budget, sum(seconds[c] for c in plan), uniform,
                       rates.to_dict())
@@ -233,7 +236,7 @@ def _ds_variant(ds_config: dict, stage: Optional[int] = None, offload_optimizer:
     return cfg
 
 
-def what_fits(profile: ActivationProfile, ds_config: dict, target: Target, choices: tuple[str, ...],
+def what_fits(profile: ActivationProfile, ds_config: dict, target: Target, choices: tuple[LayerChoice, ...],
               budget: int) -> tuple[float, str]:
     """(smallest achievable peak in GiB, what would fit: micro-batch, GPUs, ZeRO stage, offload)."""
     from memtrain.config.ds_config import zero_stage

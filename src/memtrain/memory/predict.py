@@ -7,7 +7,7 @@ patterns, memtrain's offload, ZeRO-1/2 reduce buckets (backward only), and the a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP, OP
 from memtrain.recompute.hooks import module_pattern, sublayer
 from memtrain.memory import tensor_parallel
@@ -28,12 +28,21 @@ ALLOCATOR_MARGIN = 0.0  # times the step's largest single allocation (measured, 
 ALLOCATOR_MARGIN_BYTES = 0  # fixed bytes on top (measured, see above)
 
 
-OFFLOAD = "+offload"
+class LayerChoice(NamedTuple):
+    """What one layer does in a prediction: a mode the profile measured (keep, full, attn, mlp, op, or a
+    `modules:` set) and whether its checkpointed input goes to the host. Printed as the mode, '+offload' added
+    when offloaded ('full+offload'): the plan line, tables and JSON show it so."""
+
+    mode: str
+    offload: bool = False
+
+    def __str__(self) -> str:
+        return self.mode + ("+offload" if self.offload else "")
 
 
-def choice_mode(choice: str) -> tuple[str, bool]:
-    """'full+offload' -> ('full', True); 'attn' -> ('attn', False)."""
-    return (choice[: -len(OFFLOAD)], True) if choice.endswith(OFFLOAD) else (choice, False)
+def as_choice(choice) -> LayerChoice:
+    """A LayerChoice as it is, a plain mode string as that mode kept on the device."""
+    return choice if isinstance(choice, LayerChoice) else LayerChoice(choice)
 
 
 def allocator_margin(profile: ActivationProfile) -> int:
@@ -74,11 +83,11 @@ class Prediction:
         return d
 
 
-def layer_footprint(profile: ActivationProfile, choice: str) -> tuple[int, int, int]:
+def layer_footprint(profile: ActivationProfile, choice) -> tuple[int, int, int]:
     """(resident, forward transient, backward transient) of one layer on the device for a choice."""
-    mode, offload = choice_mode(choice)
-    c = profile.layers[mode]
-    moved = c.input_bytes if offload else 0
+    choice = as_choice(choice)
+    c = profile.layers[choice.mode]
+    moved = c.input_bytes if choice.offload else 0
     return c.resident - moved, c.fwd_excess, c.bwd_excess + moved  # offloaded input comes back for backward
 
 
@@ -87,17 +96,17 @@ class Unit:
     """One checkpointed call of a plan in layer order: a layer (`layers` 1), or a sqrt segment of
     `layers` consecutive full layers recomputed as one unit."""
 
-    choice: str
+    choice: LayerChoice
     first: int  # its first layer
     layers: int = 1
 
     @property
     def mode(self) -> str:
-        return choice_mode(self.choice)[0]
+        return self.choice.mode
 
     @property
     def offload(self) -> bool:
-        return choice_mode(self.choice)[1]
+        return self.choice.offload
 
     @property
     def slot(self) -> bool:
@@ -108,13 +117,14 @@ class Unit:
         return f"layer {self.first}" if self.layers == 1 else f"layers {self.first}-{self.first + self.layers - 1}"
 
 
-def plan_units(choices: tuple[str, ...], segments=()) -> list[Unit]:
-    """Per-layer choices and sqrt segments ((start, stop) ranges of full layers) -> units in layer order."""
+def plan_units(choices, segments=()) -> list[Unit]:
+    """Per-layer choices (LayerChoice or mode strings) and sqrt segments ((start, stop) ranges of full layers)
+    -> units in layer order."""
     stops = dict(segments)
     units, i = [], 0
     while i < len(choices):
         k = stops.get(i, i + 1) - i
-        units.append(Unit(choices[i], i, k))
+        units.append(Unit(as_choice(choices[i]), i, k))
         i += k
     return units
 
@@ -175,7 +185,7 @@ def _best(candidates, backward_extra: int):
     return max(candidates, key=lambda c: c[0] + (backward_extra if c[4] else 0))
 
 
-def activation_peak(profile: ActivationProfile, choices: tuple[str, ...], segments=(),
+def activation_peak(profile: ActivationProfile, choices, segments=(),
                     prefetch_depth: Optional[int] = None, backward_extra: int = 0) -> tuple[int, str]:
     """The activation peak of a plan, and its phase (see `_walk`). `backward_extra` takes part in
     choosing the phase but is not in the returned bytes."""
@@ -187,10 +197,10 @@ def activation_peak(profile: ActivationProfile, choices: tuple[str, ...], segmen
     return best[0], best[1]
 
 
-def predict(profile: ActivationProfile, states: ModelStates, choices: tuple[str, ...], segments=(),
+def predict(profile: ActivationProfile, states: ModelStates, choices, segments=(),
             offload_impl: str = "memtrain", notes: tuple[str, ...] = ()) -> Prediction:
-    """The prediction for per-layer choices (modes, '+offload' where the layer's input goes to the
-    host) and sqrt segments. memtrain's offload prefetches PREFETCH_DEPTH layers ahead and copies
+    """The prediction for per-layer choices (LayerChoice, or mode strings for layers kept on the device)
+    and sqrt segments. memtrain's offload prefetches PREFETCH_DEPTH layers ahead and copies
     on a side stream; DeepSpeed's own CPU_CHECKPOINT (offload_impl 'deepspeed') brings each input
     back when its recompute needs it."""
     from memtrain.recompute.offload import PREFETCH_DEPTH
@@ -204,7 +214,7 @@ def predict(profile: ActivationProfile, states: ModelStates, choices: tuple[str,
     saved = profile.outside_saved
     for unit in units:
         c = profile.layers[unit.mode]
-        key = unit.choice if unit.layers == 1 else f"{unit.choice} (segment of {unit.layers})"
+        key = str(unit.choice) if unit.layers == 1 else f"{unit.choice} (segment of {unit.layers})"
         saved_per[key] = c.saved - (c.input_bytes if unit.offload else 0)
         saved += saved_per[key]
     recomputed = [unit_footprint(profile, u)[2] for u in units if u.mode != KEEP]
@@ -236,8 +246,8 @@ def _layer_module_names(model) -> tuple[str, list[str]]:
     return path, [n for n, _ in layers[0].named_modules()]
 
 
-def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[str, ...], list[str]]:
-    """Per-layer choices (measured mode keys, '+offload') of an ACPlan, and notes on what is not modelled.
+def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[LayerChoice, ...], list[str]]:
+    """Per-layer choices (measured mode keys, offload) of an ACPlan, and notes on what is not modelled.
 
     `model1` is a 1-layer model of the family (fake or meta tensors): module paths of layer i are
     those of layer 0 with the index replaced. Patterns go as apply_plan takes them: in order,
@@ -296,7 +306,7 @@ def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[str, ...]
             else:
                 mode = modules_mode(rels)
         offload = i < len(plan.offload) and plan.offload[i] and plan.cpu_checkpointing
-        choices.append(mode + (OFFLOAD if offload and mode != KEEP else ""))
+        choices.append(LayerChoice(mode, bool(offload) and mode != KEEP))
     return tuple(choices), notes
 
 
@@ -307,7 +317,7 @@ def predict_plan(config, target: Target, ds_config: dict, plan: ACPlan) -> Predi
     with FakeTensorMode(allow_non_fake_inputs=True):
         model1 = fake_model(config, 1, target)
         choices, notes = plan_choices(plan, model1, config.num_hidden_layers)
-    extra = tuple(dict.fromkeys(choice_mode(c)[0] for c in choices if c.startswith(MODULES)))
+    extra = tuple(dict.fromkeys(c.mode for c in choices if c.mode.startswith(MODULES)))
     profile = profile_activations(config, target, (*supported_modes(), *extra))
     states = model_states(profile, ds_config, target)
     if plan.partition_activations and target.tp <= 1:

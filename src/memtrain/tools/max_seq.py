@@ -19,7 +19,7 @@ import os
 from dataclasses import asdict, replace
 from typing import Optional
 
-from memtrain.memory.predict import OFFLOAD, predict
+from memtrain.memory.predict import LayerChoice, predict
 from memtrain.memory.profile import ActivationProfile, profile_activations
 from memtrain.memory.states import model_states
 from memtrain.memory.target import make_target, model_and_config
@@ -27,7 +27,7 @@ from memtrain.recompute.policy import FULL, KEEP
 from memtrain.model.loss import fused_unsupported
 from memtrain.units import GIB
 
-POLICIES = (("none", KEEP), ("full", FULL), ("full+offload", FULL + OFFLOAD))
+POLICIES = (("none", LayerChoice(KEEP)), ("full", LayerChoice(FULL)), ("full+offload", LayerChoice(FULL, offload=True)))
 RANKS_PER_NODE = 8  # GPUs of one node that share its host memory (capped by the world size)
 
 
@@ -55,10 +55,10 @@ def _fit(profiles: list[ActivationProfile], tokens: int) -> ActivationProfile:
     return replace(first, target=replace(first.target, seq_len=tokens), layers=layers, **scalars)
 
 
-def _choices(choice: str, num_layers: int, skip_last: int) -> tuple[str, ...]:
-    if choice.endswith(OFFLOAD):  # the last layers keep their input on the device (offload_skip_last)
+def _choices(choice: LayerChoice, num_layers: int, skip_last: int) -> tuple[LayerChoice, ...]:
+    if choice.offload:  # the last layers keep their input on the device (offload_skip_last)
         keep = min(skip_last, num_layers)
-        return (choice,) * (num_layers - keep) + (FULL,) * keep
+        return (choice,) * (num_layers - keep) + (LayerChoice(FULL),) * keep
     return (choice,) * num_layers
 
 
@@ -107,7 +107,7 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
                         return (pred(tokens).host_activations + states.host) * ranks_per_node
 
                     dev_t = largest(lambda t: pred(t).peak <= budget, 1, limit // sp)
-                    host_t = largest(lambda t: host(t) <= host_budget, 1, limit // sp) if choice.endswith(OFFLOAD) \
+                    host_t = largest(lambda t: host(t) <= host_budget, 1, limit // sp) if choice.offload \
                         or states.host else limit // sp
                     tokens = min(dev_t, host_t)
                     row = {"policy": name, "loss": loss, "tiled_mlp": tiled, "sequence_parallel": sp,

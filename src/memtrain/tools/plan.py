@@ -18,7 +18,7 @@ from memtrain.recompute.policy import build_plan
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.units import GIB, parse_size
 from memtrain.model.moe import experts_line
-from memtrain.memory.predict import OFFLOAD, choice_mode, predict, predict_plan
+from memtrain.memory.predict import LayerChoice, predict, predict_plan
 from memtrain.memory.profile import MODULES, ActivationProfile, profile_activations
 from memtrain.memory.rates import measure_rates
 from memtrain.memory.states import model_states
@@ -27,7 +27,7 @@ from memtrain.tools.max_seq import largest
 from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, may_offload, predicted_plan, smallest_peak, what_fits)
 
 POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
-             "full" + OFFLOAD: "full + cpu_checkpointing"}
+             "full+offload": "full + cpu_checkpointing"}  # a LayerChoice as printed -> the policy it is
 
 
 def profile_at_seq(p1: ActivationProfile, p2: ActivationProfile, seq_len: int) -> ActivationProfile:
@@ -50,7 +50,7 @@ def profile_at_seq(p1: ActivationProfile, p2: ActivationProfile, seq_len: int) -
     return replace(p1, target=replace(p1.target, seq_len=seq_len), layers=layers, **scalars)
 
 
-def _fits(profile: ActivationProfile, states, choices, budget: int, uniform: Optional[str]) -> bool:
+def _fits(profile: ActivationProfile, states, choices, budget: int, uniform: Optional[LayerChoice]) -> bool:
     if uniform is not None:
         return predict(profile, states, (uniform,) * profile.num_layers).peak <= budget
     return feasible(profile, activation_limit(profile, states, choices, budget), choices, states.backward) is not None
@@ -85,15 +85,16 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
     max_pos = getattr(config, "max_position_embeddings", None) or 1 << 20
     extra_rows = _extra_rows(spec, profile.num_layers)
     for choice in (*choices, *extra_rows, "auto"):
+        name = str(choice)  # a LayerChoice (uniform rows), an extra row's policy, or auto
         segments, notes = (), ()
-        if choice in extra_rows:
+        if name in extra_rows:
             plan = extra_rows[choice]
             pred = predict_plan(config, target, ds_config, plan)
             row_plan, segments, notes = plan_choices_of(config, target, plan), plan.segments, pred.notes
             uniform = None
             profile_row = profile_activations(config, target, (*profile.layers, *(
-                choice_mode(c)[0] for c in row_plan if c.startswith(MODULES))))
-        elif choice == "auto":
+                c.mode for c in row_plan if c.mode.startswith(MODULES))))
+        elif name == "auto":
             if budget is None:
                 continue
             result = predicted_plan(profile, states, choices, rates, budget)
@@ -102,27 +103,27 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
                 report["auto"] = {"fits": False, "smallest_peak_gib": peak, "would_fit": hint}
                 row_plan = smallest_peak(profile, choices, states.backward)[1]
             else:
-                report["auto"] = {"fits": True, "layers": list(result.layers), "seconds": result.seconds}
+                report["auto"] = {"fits": True, "layers": [str(c) for c in result.layers], "seconds": result.seconds}
                 row_plan = result.layers
             uniform = None
         else:
             row_plan, uniform = (choice,) * profile.num_layers, choice
-        if choice not in extra_rows:
+        if name not in extra_rows:
             profile_row = profile
             pred = predict(profile, states, row_plan)
         # a segment recomputes each of its layers once, as full layers do (the time model has no segments)
         seconds = sum(choice_seconds(profile_row, rates, c) for c in row_plan) if not segments else None
-        flops = sum(profile_row.layers[choice_mode(c)[0]].recompute_flops for c in row_plan)
-        row = {"policy": POLICY_OF.get(choice, choice), "saved_per_layer": pred.saved_per_layer,
+        flops = sum(profile_row.layers[c.mode].recompute_flops for c in row_plan)
+        row = {"policy": POLICY_OF.get(name, name), "saved_per_layer": pred.saved_per_layer,
                "saved_activations": pred.saved_activations, "recompute_working_set": pred.recompute_working_set,
                "logits_and_loss": pred.logits_and_loss, "activation_peak": pred.activation_peak,
                "prefetched": pred.prefetched, "side_stream": pred.side_stream,
                "reduce_buffers": pred.reduce_buffers, "margin": pred.margin, "peak": pred.peak,
                "phase": pred.phase, "recompute_flops": flops, "extra_seconds": seconds, "notes": list(notes)}
-        if budget is not None and choice in extra_rows:
+        if budget is not None and name in extra_rows:
             row["fits"] = pred.peak <= budget
             row["max_micro_batch"] = row["max_seq_len"] = None
-            report["policies"][choice] = row
+            report["policies"][name] = row
             continue
         if budget is not None:
             row["fits"] = pred.peak <= budget if uniform else report["auto"]["fits"]
@@ -130,7 +131,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
                                               1, 4096)
             row["max_seq_len"] = largest(lambda s: _fits(profile_at_seq(*long_profile, s), states, choices,
                                                           budget, uniform), 1, max_pos)
-        report["policies"][choice] = row
+        report["policies"][name] = row
     return report
 
 
@@ -153,7 +154,7 @@ def _extra_rows(spec, num_layers: int) -> dict:
     return rows
 
 
-def plan_choices_of(config, target, plan) -> tuple[str, ...]:
+def plan_choices_of(config, target, plan) -> tuple[LayerChoice, ...]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memtrain.memory.predict import plan_choices
