@@ -4,7 +4,8 @@ rendezvous arguments slurm/train.sbatch builds (`--nnodes 2 --rdzv-backend c10d 
 serves, so the 4 ranks see two nodes of 2 local ranks each, as on a cluster.
 
 * ZeRO-3 + full recompute trains 6 steps on 4 ranks and saves, and so does AutoTP 2 (a tensor-parallel pair
-  inside each node, data parallel across the nodes);
+  inside each node, data parallel across the nodes), with global rank 0 on the second node: the status is
+  in the shared run directory, where the batch script reads it;
 * each node with its own run directory (storage that is not shared): every rank stops at start-up with one
   line naming the node that cannot see rank 0's files;
 * the same run with one agent killed (SIGKILL to the agent and its ranks, a node lost) after its step-2 model
@@ -35,19 +36,25 @@ pytestmark = pytest.mark.multinode
 
 
 def _agents(run_dir: Path, job: str, logs: Path, extra=(), node_cwds=None,
-            ds="zero3_ckpt.json") -> list[subprocess.Popen]:
+            ds="zero3_ckpt.json", rank0_node: int = 0) -> list[subprocess.Popen]:
     """Two agents as slurm/train.sbatch's srun starts them, one per "node", each in its own process group.
     `node_cwds`: each node its own working directory, under which a relative `run_dir` is another directory
-    (node-local storage: the same path, each node its own disk; the ranks use rank 0's --run-dir string)."""
+    (node-local storage: the same path, each node its own disk; the ranks use rank 0's --run-dir string).
+    `rank0_node`: the node whose ranks are global ranks 0 and 1. torch's c10d rendezvous numbers the nodes in
+    the order of (address, agent pid): on a cluster by host name, so rank 0 need not be on the batch script's
+    node; here, on one address, the agent started first."""
     torchrun = Path(sys.executable).with_name("torchrun")
     port = _free_port()
     cmd = [str(torchrun), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
            str(TRAIN), "--deepspeed", str(ROOT / "ds_configs" / ds), *ARGS, *extra]
-    logs = [open(logs / f"{job}-agent{i}.log", "w") for i in range(2)]
-    return [subprocess.Popen([*cmd, "--run-dir", str(run_dir)], cwd=(node_cwds or [ROOT] * 2)[i], env=_env(),
-                             stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            for i, log in enumerate(logs)]
+    agents = [None, None]
+    for i in (rank0_node, 1 - rank0_node):
+        log = open(logs / f"{job}-agent{i}.log", "w")
+        agents[i] = subprocess.Popen([*cmd, "--run-dir", str(run_dir)], cwd=(node_cwds or [ROOT] * 2)[i],
+                                     env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+    return agents
 
 
 def _kill_node(agent: subprocess.Popen) -> None:
@@ -87,9 +94,13 @@ def test_two_nodes_train_and_a_lost_node_resumes_to_the_straight_runs_losses(tmp
     """ZeRO-3 + full recompute, and the same with AutoTP 2 (a tensor-parallel group inside each node, data
     parallel across them: its model checkpoint files are named by data- and model-parallel rank)."""
     straight, lost = tmp_path / "straight", tmp_path / "lost"
-    assert _wait(_agents(straight, "straight-0", tmp_path, ds=ds), 600) == [0, 0], _log(tmp_path, "straight-0")
+    # the straight run with global rank 0 on the second node: its status is where the batch script reads it
+    assert _wait(_agents(straight, "straight-0", tmp_path, ds=ds, rank0_node=1), 600) == [0, 0], \
+        _log(tmp_path, "straight-0")
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS and summary["world_size"] == 4, summary
+    rank0_lines = [("completed: " in (tmp_path / f"straight-0-agent{i}.log").read_text()) for i in range(2)]
+    assert rank0_lines == [False, True], _log(tmp_path, "straight-0")  # rank 0 printed the summary on node 1
 
     agents = _agents(lost, "lost-0", tmp_path, ds=ds)
     deadline = time.time() + 600

@@ -92,7 +92,7 @@ def check_shared(run_dir: Path, rank: int) -> None:
     share (rank 0 renames model checkpoints and writes the status files the batch script reads; every rank writes
     its shards into them). Node-local run directories would each hold a part of every checkpoint, and a resume
     would find none intact: at start-up, each rank looks for a file rank 0 just wrote, and all stop with one line
-    naming a node that cannot see it. Collectives: every rank calls this."""
+    naming a node that cannot see it. Three collectives: every rank calls this."""
     import secrets
     import socket
 
@@ -109,8 +109,7 @@ def check_shared(run_dir: Path, rank: int) -> None:
     except OSError:
         seen = False
     blind = [None] * dist.get_world_size()
-    dist.all_gather_object(blind, None if seen else socket.gethostname())
-    dist.barrier()
+    dist.all_gather_object(blind, None if seen else socket.gethostname())  # every rank has looked by now
     if rank == 0:
         marker.unlink(missing_ok=True)
     missing = sorted({host for host in blind if host is not None})
