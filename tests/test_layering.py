@@ -1,13 +1,10 @@
 """Packages depend one way (config -> model -> recompute -> memory -> train -> tools) and no module imports another's
-private names. Any import that breaks this fails the test (KNOWN lists none: the debt is paid)."""
+private names. Any import that breaks this fails the test."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "memtrain"
 ORDER = ["config", "model", "recompute", "memory", "train", "tools"]
-
-# Known debt, one entry per importing module and what it imports; empty, and it may only stay so.
-KNOWN: set[tuple[str, str]] = set()
 
 
 def problems() -> set[tuple[str, str]]:
@@ -36,11 +33,6 @@ def problems() -> set[tuple[str, str]]:
 
 
 def test_no_new_upward_or_private_import():
-    new = problems() - KNOWN
+    new = problems()
     assert not new, "imports against the layering (config -> model -> recompute -> memory -> train -> tools) or of " \
                     f"another module's private names: {sorted(new)}"
-
-
-def test_known_debt_is_still_true():
-    gone = KNOWN - problems()
-    assert not gone, f"these imports are gone: remove them from KNOWN in tests/test_layering.py: {sorted(gone)}"

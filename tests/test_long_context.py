@@ -183,6 +183,25 @@ def test_sequence_parallel_refuses_what_ulysses_gets_wrong(capsys, family):
     assert "parallel.sequence: 2" in line and SP_REFUSED[family] in line, line
 
 
+@pytest.mark.parametrize("model_type, why", [("jamba", "has linear_attention, mamba layers"),
+                                             ("qwen3_next", "has linear_attention layers"),
+                                             ("falcon_h1", "has hybrid layers"),
+                                             ("llama4_text", "has chunked_attention layers")])
+def test_sequence_parallel_refuses_hybrid_layers(model_type, why):
+    """Layers that mix tokens outside attention (Mamba, linear attention, chunked attention in the mask) would see
+    a rank's slice only: refused from the config alone, and `make plan --max-seq` offers no sequence-parallel row."""
+    from transformers import AutoConfig
+
+    from memtrain.errors import UserError
+    from memtrain.tools.max_seq import sequence_sizes
+    from memtrain.train.sequence_parallel import check
+
+    config = AutoConfig.for_model(model_type)
+    with pytest.raises(UserError, match=why):
+        check(2, config, 16384, 2, 3, "sdpa")
+    assert sequence_sizes(config, 4) == [1]
+
+
 def test_sequence_parallel_rejects_zero0_and_json_mismatch(capsys, tmp_path):
     zero0 = _ds(tmp_path, lambda c: c["zero_optimization"].update(stage=0))
     line = _error(capsys, ["--deepspeed", zero0, "--set", "parallel.sequence=2"])

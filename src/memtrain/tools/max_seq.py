@@ -19,6 +19,7 @@ import os
 from dataclasses import asdict, replace
 from typing import Optional
 
+from memtrain.config.ds_config import zero_stage
 from memtrain.memory.predict import LayerChoice, predict
 from memtrain.memory.profile import ActivationProfile, profile_activations
 from memtrain.memory.states import model_states
@@ -72,12 +73,21 @@ def largest(ok, lo: int, hi: int) -> int:
     return lo
 
 
-def sequence_sizes(config, world: int) -> list[int]:
-    """Sequence-parallel sizes the world and the model's heads allow (memtrain.train.sequence_parallel)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    return [s for s in range(1, world + 1) if world % s == 0 and heads % s == 0 and (kv % s == 0 or s % kv == 0)]
+def sequence_sizes(config, world: int, stage: int = 3) -> list[int]:
+    """Sequence-parallel sizes a run would take: those memtrain.train.sequence_parallel.check lets through for
+    the world, the heads and the model's attention (a sliding window is checked against the sequence there, at
+    the run's own length; here each size is asked at its shortest)."""
+    from memtrain.errors import UserError
+    from memtrain.train.sequence_parallel import check
+
+    def allowed(s: int) -> bool:
+        try:
+            check(s, config, s, world, stage, getattr(config, "_attn_implementation", None))
+        except UserError:
+            return False
+        return True
+
+    return [s for s in range(1, world + 1) if allowed(s)]
 
 
 def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], budget: int,
@@ -96,7 +106,7 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
             targets = [replace(base, seq_len=t, loss=loss, tiled_mlp=tiled) for t in probe]
             profiles = [profile_activations(config, t, (KEEP, FULL)) for t in targets]
             states = model_states(profiles[0], ds_config, targets[0])
-            for sp in sequence_sizes(config, world):
+            for sp in sequence_sizes(config, world, zero_stage(ds_config)):
                 for name, choice in POLICIES:
                     choices = _choices(choice, profiles[0].num_layers, skip_last)
 

@@ -64,6 +64,17 @@ def check(sp: int, config, seq_len: int, world: int, stage: int, attn_impl: Opti
                         "attention output back into heads, which Ulysses returns merged; set parallel.sequence 1")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     window, kinds = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    # hybrid layers (linear attention, Mamba, convolutions) mix tokens outside attention: on a rank's slice
+    # they would see that slice only
+    others = sorted(set(kinds or ()) - {"full_attention", "sliding_attention"}
+                    | set(getattr(text, "layers_block_type", None) or ()) - {"attention"})
+    if others:
+        raise UserError(f"parallel.sequence: {sp}: {cls.__name__} has {', '.join(others)} layers, which mix tokens "
+                        "outside the attention Ulysses splits by heads; set parallel.sequence 1")
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk and chunk < seq_len:
+        raise UserError(f"parallel.sequence: {sp}: {cls.__name__}'s chunked attention ({chunk} tokens, under "
+                        f"data.seq_len {seq_len}) lives in the mask, which Ulysses drops; set parallel.sequence 1")
     if window and window < seq_len and (kinds is None or "sliding_attention" in kinds) \
             and not attn_impl.startswith("flash"):
         raise UserError(f"parallel.sequence: {sp}: {cls.__name__}'s sliding-window attention ({window} tokens, "
@@ -147,12 +158,13 @@ def setup(model, sp: int, stage: int, micro_batch: int, seq_len: int):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     text = model.config.get_text_config()
-    heads = (text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    heads = (text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+             getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     key = (sp, model.config._attn_implementation, micro_batch, seq_len, heads)
     if key not in _REGISTERED:  # the registration is process-wide and can happen once (see above)
         if _REGISTERED:
             raise UserError(f"parallel.sequence: this process already registered Ulysses attention for "
-                            f"{next(iter(_REGISTERED))} (size, attention, micro batch, sequence, (heads, key/value heads)); start a new process")
+                            f"{next(iter(_REGISTERED))} (size, attention, micro batch, sequence, (heads, key/value heads, head size)); start a new process")
         from memtrain.model import attention
 
         attention.remember(model.config._attn_implementation)  # the planner's profile runs the plain one
