@@ -29,7 +29,7 @@ from memtrain.config.recipe import load_recipe
 from memtrain.model.build import build_config, build_model
 from memtrain.model.lora import add_lora
 from memtrain.train import long_context
-from families import FAMILIES, SP_CONFIG, SP_GQA
+from families import SP_CONFIG, SP_GQA, overrides
 
 SEQ, MBS, VOCAB = 64, 2, 300
 OVERRIDES = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -56,8 +56,8 @@ def labels_with_ignores(ids):
 
 def family_recipe(family, *more):
     """The family's tiny config (tests/families.py) at this worker's shapes."""
-    config = {**FAMILIES[family], "vocab_size": VOCAB, **SP_CONFIG.get(family, {})}
-    return load_recipe(None, [f"model.type={family}", f"model.config={json.dumps(config)}", f"data.seq_len={SEQ}",
+    own = [f"model.config.{key}={value}" for key, value in SP_CONFIG.get(family, {}).items()]
+    return load_recipe(None, [*overrides(family), f"model.config.vocab_size={VOCAB}", *own, f"data.seq_len={SEQ}",
                               f"train.micro_batch_size={MBS}", *more])
 
 

@@ -299,12 +299,14 @@ def check_trainer() -> None:
         return group
 
     torch.distributed.new_group = recording_new_group
-    summary = train(parse_args(["--deepspeed", path, "--run-dir", run_dir, "--max-steps", "2",
-                                "--set", "data.random_tokens=true", "--set", "data.seq_len=64",
-                                "--set", "train.micro_batch_size=4", "--set", "train.log_every=1",
-                                "--set", "train.metric_warmup_steps=1", "--set", "train.save_interval=0",
-                                "--set", "train.collective_timeout_s=77"]))
-    torch.distributed.new_group = new_group
+    try:
+        summary = train(parse_args(["--deepspeed", path, "--run-dir", run_dir, "--max-steps", "2",
+                                    "--set", "data.random_tokens=true", "--set", "data.seq_len=64",
+                                    "--set", "train.micro_batch_size=4", "--set", "train.log_every=1",
+                                    "--set", "train.metric_warmup_steps=1", "--set", "train.save_interval=0",
+                                    "--set", "train.collective_timeout_s=77"]))
+    finally:
+        torch.distributed.new_group = new_group
     results["trainer"] = {"metrics": summary["metrics"], "status": summary["status"], "run_dir": run_dir,
                           "group_timeouts_s": timeouts}
 

@@ -169,7 +169,7 @@ class PlanResult:
     prediction: Prediction
     budget: int
     seconds: float  # predicted extra step time over keeping everything
-    uniform: dict[str, dict] = field(default_factory=dict)  # per choice (as printed): peak and seconds of the uniform plan
+    uniform: dict[str, dict] = field(default_factory=dict)  # per choice as printed: the uniform plan's peak, seconds
     rates: Optional[dict] = None
 
     @property

@@ -40,6 +40,13 @@ _HEADS_MERGED_TOO_EARLY = {"gpt2": "GPT2Attention"}
 _REGISTERED: dict = {}  # (size, attention, micro batch, sequence, heads) -> mpu, for this process
 
 
+def _head_layout(text) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, head size) of a text config: what Ulysses' registration fixes."""
+    heads = text.num_attention_heads
+    return heads, getattr(text, "num_key_value_heads", None) or heads, \
+        getattr(text, "head_dim", None) or text.hidden_size // heads
+
+
 def check(sp: int, config, seq_len: int, world: int, stage: int, attn_impl: Optional[str]) -> None:
     """Every reason `parallel.sequence: sp` cannot run, as one UserError line, before any worker starts."""
     if sp == 1:
@@ -81,8 +88,7 @@ def check(sp: int, config, seq_len: int, world: int, stage: int, attn_impl: Opti
                         f"under data.seq_len {seq_len}) lives in the mask, which Ulysses drops under {attn_impl}; "
                         "use model.config.attn_implementation flash_attention_2 (it takes the window as an "
                         "argument) or parallel.sequence 1")
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    heads, kv, _ = _head_layout(text)
     if heads % sp:
         raise UserError(f"parallel.sequence: {sp} does not divide num_attention_heads {heads}")
     if kv % sp and sp % kv:
@@ -157,14 +163,13 @@ def setup(model, sp: int, stage: int, micro_batch: int, seq_len: int):
         return None, SequenceParallel(data_rank=rank, data_world=world)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    text = model.config.get_text_config()
-    heads = (text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-             getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    heads = _head_layout(model.config.get_text_config())
     key = (sp, model.config._attn_implementation, micro_batch, seq_len, heads)
     if key not in _REGISTERED:  # the registration is process-wide and can happen once (see above)
         if _REGISTERED:
             raise UserError(f"parallel.sequence: this process already registered Ulysses attention for "
-                            f"{next(iter(_REGISTERED))} (size, attention, micro batch, sequence, (heads, key/value heads, head size)); start a new process")
+                            f"{next(iter(_REGISTERED))} (size, attention, micro batch, sequence, (heads, key/value "
+                            "heads, head size)); start a new process")
         from memtrain.model import attention
 
         attention.remember(model.config._attn_implementation)  # the planner's profile runs the plain one
@@ -173,7 +178,8 @@ def setup(model, sp: int, stage: int, micro_batch: int, seq_len: int):
         described = copy.deepcopy(model.config)
         described.get_text_config().num_key_value_heads = heads[1]
         _REGISTERED[key] = UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=SimpleNamespace(config=described), core_attn_implementation=model.config._attn_implementation,
+            model_name_or_path=SimpleNamespace(config=described),
+            core_attn_implementation=model.config._attn_implementation,
             sequence_parallel_size=sp, micro_batch_size=micro_batch, seq_length=seq_len, seq_length_is_variable=False)
     mpu = _REGISTERED[key]
     # Every rank of a group backpropagates the same all-gathered loss, so each parameter gradient

@@ -241,8 +241,9 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     # that a long packing would time out (memtrain.model.data.prepare_data).
     data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
         prepare_data(recipe.data, t.seed)
-    deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=t.collective_timeout_s))
-    _groups_wait_as_long_as_the_world(timedelta(seconds=t.collective_timeout_s))
+    timeout = timedelta(seconds=t.collective_timeout_s)
+    deepspeed.init_distributed(verbose=False, timeout=timeout)
+    _groups_wait_as_long_as_the_world(timeout)
     rank = dist.get_rank()
     agreement = signals.StopAgreement(world)  # a stop signal on any rank stops all within two steps
     memory_plan = checked.memory_plan
