@@ -154,6 +154,40 @@ def all_finite(directory: Path) -> bool:
     return found
 
 
+def autograd_nodes(loss):
+    """Every node of the autograd graph behind `loss`, once each."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack += [f for f, _ in node.next_functions]
+
+
+def compiled_regions(loss) -> int:
+    """Compiled regions in the graph behind `loss` (torch.compile's CompiledFunctionBackward; eager code makes none)."""
+    return sum("CompiledFunction" in node.name() for node in autograd_nodes(loss))
+
+
+SMALL_LLAMA = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    """A 4-layer Llama of SMALL_LLAMA's shape (vocabulary 257, sequences up to 32), seeded, in train mode."""
+    import torch
+
+    from memtrain.config.recipe import ModelSection
+    from memtrain.model.build import build_config, build_model
+
+    section = ModelSection(type="llama", config=SMALL_LLAMA)
+    torch.manual_seed(0)
+    return build_model(section, build_config(section, vocab_size=257, seq_len=32)).train()
+
+
 def allocator_peak(model, ids) -> int:
     """Peak bytes the CPU allocator holds during one forward+backward, above what was held before:
     torch.profiler's memory events (every allocation and free, from the allocator itself), not

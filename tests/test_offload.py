@@ -13,18 +13,18 @@ import weakref
 import pytest
 import torch
 
-from conftest import FAST, ROOT, assert_ok, run_train
+from conftest import FAST, ROOT, SMALL_LLAMA, assert_ok, run_train
 from memtrain.recompute.hooks import apply_plan, checkpoint_function
 from memtrain.recompute.policy import plan_for
 from memtrain.errors import UserError
 from memtrain.recompute.meter import ActivationMeter
 from memtrain.model.build import build_config, build_model, decoder_layers
 from memtrain.recompute.offload import ActivationOffloader, HostBufferPool, offload_flags, offload_units
-from memtrain.config.recipe import ModelSection
+from memtrain.config.recipe import DEFAULT_OP_SAVE, ModelSection
+from memtrain.recompute.compiled import CompiledLayers
 from memtrain.tools.tb import read_scalars
 
-LLAMA = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 64}
+LLAMA = SMALL_LLAMA
 OFFLOAD_JSON = {"activation_checkpointing": {"cpu_checkpointing": True}}
 
 
@@ -55,11 +55,8 @@ class DeferredCopies:
 
 
 @pytest.fixture(scope="module")
-def base():
-    section = ModelSection(type="llama", config=LLAMA)
-    config = build_config(section, vocab_size=257, seq_len=32)
-    torch.manual_seed(0)
-    return build_model(section, config).train()
+def base(small_llama):
+    return small_llama
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +126,22 @@ def test_grads_equal_pool_reused_memory_moves_to_host(base, ids, reference, back
         pools.append((off.pool.allocations, off.pool.capacity_bytes))
     assert pools[0] == pools[1] == (3, host_bytes), pools  # allocated in step 1 only, then reused
     assert off.offloaded == 6 and off.prefetch_misses == 0  # all copied back before the backward got there
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_compiled_layers_offload_their_inputs_and_nothing_else(base, ids, reference, backend):
+    """train.compile: a compiled layer saves more with autograd than an eager checkpoint (what its compiled backward
+    reads); only its inputs go to host, as eager, and come back in time (copies deferred until waited on)."""
+    model = copy.deepcopy(base)
+    apply_plan(model, _plan(backend, True), CompiledLayers(DEFAULT_OP_SAVE))
+    ref_grads, ref_bytes, _, _ = reference
+    for grads, device_bytes, host_bytes, alive in _steps(model, ids, 2, deferred=True):
+        for name, g in grads.items():
+            assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), name
+        assert host_bytes == 3 * 2 * 32 * 64 * 4  # three layer inputs of 2x32x64 float32
+        assert alive == [False, False, False, True]
+        assert abs(device_bytes + host_bytes - ref_bytes) <= 0.05 * ref_bytes
+    assert model.ac_offloader.prefetch_misses == 0 and model.ac_offloader.live_bytes == 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])

@@ -1,7 +1,8 @@
 """A run stopped by a signal and resumed equals an uninterrupted run, bit for bit (2 CPU ranks, launcher).
 
 Attention dropout is on, so every step draws from the torch RNG: a resume that did not restore the
-RNG streams would draw other masks and lose bit-equality from the first resumed step."""
+RNG streams would draw other masks and lose bit-equality from the first resumed step. The first test's layers are
+compiled (train.compile), whose dropout draws inside the compiled region."""
 import json
 import signal
 import subprocess
@@ -16,9 +17,10 @@ from memtrain.train.checkpoint import tag_for
 from memtrain.tools.tb import read_scalars
 
 STEPS = 10
+# compiled layers (train.compile): a resumed compiled run equals a straight compiled run; eager runs resume exactly in
+# tests/test_slurm.py (requeue), tests/test_multinode.py and tests/test_lora.py
 ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--set", "model.config.attention_dropout=0.2",
-        "--deepspeed",
-        str(ROOT / "ds_configs" / "zero3_ckpt.json")]
+        "--set", "train.compile=true", "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json")]
 
 
 def _workers(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
@@ -56,7 +58,11 @@ def _preempted_run(run_dir: Path) -> subprocess.CompletedProcess:
 
 def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
-    assert_ok(run_train([*ARGS, "--run-dir", str(whole)], nproc=2))
+    straight = run_train([*ARGS, "--run-dir", str(whole)], nproc=2)
+    assert_ok(straight)
+    assert "compile: each decoder layer's forward under torch.compile" in straight.stdout
+    assert "0 recompiles after the warm-up" in straight.stdout
+    assert json.loads((whole / "summary.json").read_text())["compile"]["recompiles_after_warmup"] == []
 
     stopped = _preempted_run(split)
     assert_ok(stopped)

@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from conftest import autograd_nodes
+
 from memtrain.config.recompute_spec import resolve_recompute
 from memtrain.config.recipe import ACSection, ModelSection
 from memtrain.recompute.meter import ActivationMeter
@@ -190,17 +192,12 @@ def check_families() -> None:
 def _graph_checkpoint_bytes(loss) -> int:
     """Bytes DeepSpeed's checkpoints keep for the backward, found by walking the autograd graph: each
     CheckpointFunction node carries `deepspeed_saved_tensors`; a partitioned input keeps `.saved_data`."""
-    seen, stack, total = set(), [loss.grad_fn], 0
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    total = 0
+    for node in autograd_nodes(loss):
         for t in getattr(node, "deepspeed_saved_tensors", None) or ():
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 kept = t.saved_data if getattr(t, "saved_data", None) is not None else t
                 total += kept.numel() * kept.element_size()
-        stack.extend(f for f, _ in node.next_functions)
     return total
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from conftest import compiled_regions
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
 GRAD_POLICIES = ("none", "full", "every:2", "sqrt", "selective:attn", "selective:mlp", "op", "modules")
@@ -36,6 +38,13 @@ CASES += [("frozen", "none", "auto", 3), ("frozen", "full", "torch", 3), ("froze
           ("frozen", "sqrt", "auto", 3), ("trainable", "op", "auto", 3)]
 # LoRA adapters (peft) under ZeRO-3: gradients against a plain peft model without DeepSpeed (rank 0 computes it)
 CASES += [("lora", p, b, 1) for p, b in (("none", "auto"), ("full", "torch"), ("full", "deepspeed"), ("op", "auto"))]
+# train.compile: each policy's layers compiled, STEPS_COMPILED steps (2 may compile, the rest must not), gradients
+# and losses against the eager "leaf" run of the same policy
+COMPILED = (("none", "auto"), ("full", "torch"), ("full", "deepspeed"), ("every:2", "auto"),
+            ("selective:attn", "auto"), ("op", "auto"))
+STEPS_COMPILED = 4
+CASES += [("compiled", p, b, STEPS_COMPILED) for p, b in COMPILED]
+CASES = [(v, p, b, max(n, STEPS_COMPILED) if v == "leaf" and (p, b) in COMPILED else n) for v, p, b, n in CASES]
 # lower stages build the model without zero.Init (other initial weights): each has its own all-trainable reference
 CASES += [(f"{v}-z{stage}", p, b, n) for stage in (0, 1, 2)
           for v, p, b, n in (("frozen", "full", "deepspeed", 3), ("plain", "none", "auto", 1))]
@@ -60,30 +69,36 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     from memtrain.config.args import parse_args
     from memtrain.config.ds_config import model_hidden_size, resolve_ds_config
     from memtrain.model.build import decoder_layers
+    from memtrain.recompute.compiled import CompileWatch
     from memtrain.train.preflight import check_run
     from memtrain.train.trainer import build_engine
     from memtrain.train.zero3_probe import Zero3Probe
 
     overrides = ["data.seq_len=32", "train.micro_batch_size=2", "data.random_tokens=true", "train.grad_clip=0",
                  f"activation_checkpointing.policy={policy}", f"activation_checkpointing.backend={backend}",
-                 "activation_checkpointing.modules=[model.layers.*.mlp]"] + ([FREEZE[variant.partition("-")[0]]] if variant.partition("-")[0] in FREEZE else [])
+                 "activation_checkpointing.modules=[model.layers.*.mlp]", f"train.compile={variant == 'compiled'}"] + ([FREEZE[variant.partition("-")[0]]] if variant.partition("-")[0] in FREEZE else [])
     args = parse_args(["--deepspeed", json_for(variant, out_dir, rank), *sum((["--set", o] for o in overrides), [])])
     checked = check_run(args, world)
     plan = checked.plan
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       plan.checkpoint_calls, hidden_size=model_hidden_size(checked.config)))
-    engine, _, _, _ = build_engine(args.recipe, checked.config, plan, ds_config, args.ds_config, checked.spec)
+    engine, _, _, _ = build_engine(args.recipe, checked.config, plan, ds_config, args.ds_config, checked.spec,
+                                   compiled=checked.compile.on)
+    compiles = CompileWatch()
     reference = _plain_peft_grads(engine.module, args.recipe, checked.config, world, rank) if variant == "lora" else None
     frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
     with deepspeed.zero.GatheredParameters([p for _, p in frozen]):  # a collective: every rank
         before = {n: p.detach().clone() for n, p in frozen}
     probe = Zero3Probe(engine.module, list(decoder_layers(engine.module)[1])).__enter__()
     torch.manual_seed(100 + rank)
-    grads = {}
+    grads, losses = {}, []
     try:
         for step in range(steps):
             ids = torch.randint(0, checked.config.vocab_size, (2, 32))
             loss = engine(input_ids=ids, labels=ids).loss
+            losses.append(loss.item())
+            if step == 0:
+                compiled_nodes = compiled_regions(loss)
             engine.backward(loss)
             if step == 0:  # every rank takes part in the gather
                 full = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
@@ -91,6 +106,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
                     grads = {n: g.flatten().tolist() for n, g in full.items() if g is not None}
             engine.step()
             probe.step_done(engine)
+            compiles.step_done(step, warmed_up=step >= 2)
     finally:
         probe.__exit__(None, None, None)
     with deepspeed.zero.GatheredParameters([p for _, p in frozen]):
@@ -98,7 +114,9 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     optimizer_numel = _optimizer_numel(engine.optimizer)
     engine.destroy()
     return {"variant": variant, "policy": policy, "backend": backend, "plan_backend": plan.backend,
-            "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads,
+            "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads, "losses": losses,
+            "compiles": compiles.compiles, "late_compiles": compiles.late, "compile_line": checked.compile.line,
+            "compiled_nodes": compiled_nodes,
             "frozen": sorted(before), "frozen_changed": changed, "optimizer_numel": optimizer_numel,
             "trainable_line": next((line for line in checked.model_lines if line.startswith("trainable")), ""), "reference": reference}
 

@@ -165,6 +165,9 @@ class TrainSection(_Strict):
         return value
     peak_tflops: Optional[PositiveFloat] = None
     """Peak dense TFLOP/s of one device, for MFU. Auto-detected for known GPUs."""
+    compile: Union[bool, Literal["auto"]] = False
+    """torch.compile each decoder layer, its recompute traced inside (memtrain.recompute.compiled). auto: on for a
+    GPU whose `make gpu-check` (reports/gpu/<device>.json) measured the compiled set-ups faster, off on CPU."""
     loss: Literal["fused", "standard"] = "fused"
     """fused: lm_head and cross-entropy in chunks (torch's linear_cross_entropy), never the full fp32
     logits; falls back to standard where the model transforms its logits (the plan says so).

@@ -35,19 +35,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from memtrain.errors import UserError
 from memtrain.recompute.meter import current_activation_meter
 from memtrain.config.recompute_spec import RecomputeSpec
-from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, SUBLAYER_NAMES, ACPlan, op_rules
+from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, SUBLAYER_NAMES, ACPlan, draws_random, op_rules
 from memtrain.recompute.offload import ActivationOffloader
-
-def _draws_random(func, args, kwargs) -> bool:
-    """Ops that consume the RNG must be recomputed so the recompute draws the same numbers in order."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    names = [a.name for a in func._schema.arguments]
-    if "dropout_p" in names:  # attention kernels are tagged seeded but draw only with dropout on
-        i = names.index("dropout_p")
-        return float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)) > 0.0
-    return True
-
+from memtrain.recompute.compiled import CompiledLayers, compiled_fn
 
 def op_context_fn(entries) -> Callable:
     """`context_fn` for torch's checkpoint: save the outputs of the listed ops, recompute the rest.
@@ -69,7 +59,7 @@ def op_context_fn(entries) -> Callable:
             recompute = bool(getattr(ctx, "is_recompute", False))
             if not recompute:
                 watch.follow(func, args, kwargs, getattr(ctx, "op_output", None))
-            if _draws_random(func, args, kwargs):
+            if draws_random(func, args, kwargs):
                 return CheckpointPolicy.PREFER_RECOMPUTE
             for i, (ops, every, but_last) in enumerate(rules):
                 if func in ops:
@@ -189,12 +179,25 @@ def _torch_checkpoint(function, *args, context_fn=None):
 
 
 def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
-                        offloader: Optional[ActivationOffloader] = None, offload: Optional[bool] = None) -> Callable:
+                        offloader: Optional[ActivationOffloader] = None, offload: Optional[bool] = None,
+                        compiled: Optional[CompiledLayers] = None) -> Callable:
     """`fn(function, *args)` running one checkpointed unit of `plan`: layer `index` (its sublayer,
     or the segment it starts), or with `index=None` a pattern-matched module (mode full).
     With an `offloader`, the unit's checkpointed inputs are handed to it (offloaded when `offload`,
-    by default `plan.offload[index]`; every unit schedules the prefetch of the ones before it)."""
+    by default `plan.offload[index]`; every unit schedules the prefetch of the ones before it).
+    With `compiled` (train.compile), a layer runs compiled: torch's checkpoint traced inside it, DeepSpeed's
+    around it (memtrain.recompute.compiled)."""
     mode = plan.layers[index] if index is not None else FULL
+    if compiled is not None and plan.backend == "torch":
+        if mode in (ATTN, MLP):  # a sublayer: its checkpoint is traced inside its compiled layer
+            return compiled.inner
+        traced = compiled.op if mode == OP else compiled.full
+        # no `_retain`: the compiled function saves the checkpoint's inputs with autograd, where the meter sees them
+        return traced if offloader is None else offloader.wrap(
+            traced, plan.backend, plan.offload[index] if offload is None else offload, inputs_only=True)
+    if compiled is not None:  # DeepSpeed's (reentrant) checkpoint is eager: the layer's forward compiled inside it
+        eager = checkpoint_function(plan, index, offloader, offload)
+        return lambda function, *args: eager(functools.partial(compiled.forward, function), *args)
     if plan.backend == "deepspeed":
         import deepspeed
 
@@ -261,8 +264,9 @@ class _Segment:
     families); where it does not, one forward of the head under no_grad (its RNG state restored) shows
     it, once per run. The model's loop only reads the hidden state of a layer it did not ask attention of."""
 
-    def __init__(self, layers: list, checkpoint: Callable) -> None:
-        self.layers, self.checkpoint = layers, checkpoint
+    def __init__(self, layers: list, checkpoint: Callable, forward: Callable) -> None:
+        # forward(function, *args): how a layer's bound forward runs (compiled under train.compile)
+        self.layers, self.checkpoint, self.forward = layers, checkpoint, forward
         self.inside = False
         self.input = None  # the segment input, while its layers are being called
         self.calls = []  # (function, arguments after the hidden state) of the layers called so far
@@ -276,14 +280,15 @@ class _Segment:
                 given = args if out is None else (_hidden(out), *rest)
                 # all but the last through __call__: module hooks (ZeRO-3 gathering) run; the last is the
                 # layer whose call runs the segment: its hooks already ran
-                out = function(*given) if layer is self.layers[-1] else layer(*given, **function.keywords)
+                out = self.forward(function, *given) if layer is self.layers[-1] else \
+                    layer(*given, **function.keywords)
         finally:
             self.inside = False
         return out
 
     def call(self, function, *args):
         if self.inside:
-            return function(*args)
+            return self.forward(function, *args)
         layer = function.args[0]  # transformers passes partial(forward, layer, **kwargs)
         if layer is self.layers[0]:
             self.calls, self.input = [], args[0]
@@ -424,9 +429,10 @@ def _stateful_warnings(model: nn.Module, units: list[nn.Module]) -> list[str]:
             "updates them again" for n, kind in found.items()]
 
 
-def apply_plan(model: nn.Module, plan: ACPlan) -> list[str]:
+def apply_plan(model: nn.Module, plan: ACPlan, compiled: Optional[CompiledLayers] = None) -> list[str]:
     """Install `plan` on a causal LM (or directly on its decoder-layer list), replacing any
-    earlier plan. Returns (and emits as RuntimeWarning) warnings about stateful modules."""
+    earlier plan; with `compiled` (train.compile), every decoder layer runs compiled in training.
+    Returns (and emits as RuntimeWarning) warnings about stateful modules."""
     from memtrain.model.build import decoder_layers
 
     _, layers = decoder_layers(model)
@@ -443,9 +449,13 @@ def apply_plan(model: nn.Module, plan: ACPlan) -> list[str]:
         elif mode in (ATTN, MLP):
             units.append(sublayer(layer, mode))
         if mode != KEEP:
-            _checkpoint_module(units[-1], checkpoint_function(plan, i, offloader))
+            _checkpoint_module(units[-1], checkpoint_function(plan, i, offloader, compiled=compiled))
+        if compiled is not None and mode in (KEEP, ATTN, MLP):  # compiled as it is (a sublayer's checkpoint inside)
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = compiled.forward
     for start, stop in plan.segments:
-        segment = _Segment(list(layers[start:stop]), checkpoint_function(plan, start, offloader))
+        segment = _Segment(list(layers[start:stop]), checkpoint_function(plan, start, offloader),
+                           compiled_fn(compiled))
         for layer in layers[start:stop]:
             layer._gradient_checkpointing_func = segment.call
     named = dict(model.named_modules())

@@ -259,12 +259,13 @@ class _Offloaded:
 class _Slot:
     """One checkpointed call of the forward, in call order; the backward meets them in reverse."""
 
-    __slots__ = ("index", "offload", "entries", "reached", "__weakref__")
+    __slots__ = ("index", "offload", "entries", "reached", "inputs", "__weakref__")
 
     def __init__(self, index: int, offload: bool):
         self.index, self.offload = index, offload
         self.entries: list[_Offloaded] = []
         self.reached = False
+        self.inputs: Optional[set[int]] = None  # storages whose tensors go to host (None: every saved tensor)
 
 
 class StorageAlias(torch.autograd.Function):
@@ -335,15 +336,20 @@ class ActivationOffloader:
             self.live_bytes += nbytes
 
     # ---- the hook point
-    def wrap(self, checkpoint_fn: Callable, backend: str, offload: bool) -> Callable:
+    def wrap(self, checkpoint_fn: Callable, backend: str, offload: bool, inputs_only: bool = False) -> Callable:
         """A checkpoint function with the same signature whose call's inputs are offloaded (when
-        `offload`) and whose backward schedules the prefetches of the layers before it."""
+        `offload`) and whose backward schedules the prefetches of the layers before it.
+        `inputs_only`: the call saves more than its inputs with autograd (a compiled layer saves what its
+        compiled backward reads): only tensors on the inputs' storages go to host, as in an eager checkpoint."""
         run = self._checkpoint_torch if backend == "torch" else self._checkpoint_deepspeed
 
         def checkpoint(function, *args, **kwargs):
             if not torch.is_grad_enabled():  # nothing is saved, nothing to offload
                 return checkpoint_fn(function, *args, **kwargs)
-            return run(checkpoint_fn, self._new_slot(offload), function, *args, **kwargs)
+            slot = self._new_slot(offload)
+            if inputs_only:
+                slot.inputs = {t.untyped_storage().data_ptr() for t in args if self._is_device_tensor(t)}
+            return run(checkpoint_fn, slot, function, *args, **kwargs)
 
         return checkpoint
 
@@ -401,7 +407,9 @@ class ActivationOffloader:
         return entry
 
     def _pack(self, slot: _Slot, t: torch.Tensor):
-        return self._offload(slot, t) if self._is_device_tensor(t) else t
+        if not self._is_device_tensor(t) or slot.inputs is not None and t.untyped_storage().data_ptr() not in slot.inputs:
+            return t
+        return self._offload(slot, t)
 
     @staticmethod
     def _unpack(packed):

@@ -335,6 +335,17 @@ def _resolve_ops(name: str, entry: str) -> frozenset:
     return frozenset(ops)
 
 
+def draws_random(func, args, kwargs) -> bool:
+    """Ops that consume the RNG must be recomputed so the recompute draws the same numbers in order."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" in names:  # attention kernels are tagged seeded but draw only with dropout on
+        i = names.index("dropout_p")
+        return float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)) > 0.0
+    return True
+
+
 def op_rules(entries) -> list[tuple[frozenset, int, bool]]:
     """`op_save` entries -> (ops, every, but_last): 'matmul', 'attention' or an aten op name; 'name/N' = every
     N-th call; 'name/but-last' = every call but the checkpointed unit's last (see DEFAULT_OP_SAVE)."""

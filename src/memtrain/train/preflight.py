@@ -38,6 +38,7 @@ from memtrain.model.data import build_tokenizer, builder_for, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log
+from memtrain.train.compile_choice import CompileChoice, choose_compile, device_name
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
 from memtrain.config.zero3 import Zero3Layout, zero3_layout
@@ -67,6 +68,7 @@ class Checked:
     # plan lines about the model: what trains (memtrain.model.freeze), which expert matmul an MoE runs (model.moe)
     model_lines: tuple[str, ...] = ()
     prediction: Any = None  # memtrain.memory.predict.Prediction of this plan (the auto plan's, for policy auto)
+    compile: CompileChoice = CompileChoice()  # train.compile for this run (memtrain.train.compile_choice)
 
 
 def _suggest(key: str, allowed, cutoff: float = 0.6) -> str:
@@ -396,6 +398,9 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
             plan = build_plan(spec, config.num_hidden_layers)
         check_plan_applies(model, plan)
         long_context.check(recipe, args.ds_config, config, world_size)
+        device = run_device()
+        compiled = choose_compile(recipe.train.compile, plan, device, device_name(device) or "", tp_size(args.ds_config),
+                                  recipe.parallel.sequence, zero3.leaf_layers, zero_stage(args.ds_config))
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
     check_tensor_parallel(args.ds_config, source, config, world_size)
@@ -430,7 +435,8 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")
     experts = experts_line(config, compute_dtype(args.ds_config, run_device()))
     model_lines = tuple(line for line in (trained, experts) if line)
-    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, model_lines, prediction)
+    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, model_lines, prediction,
+                   compiled)
 
 
 # --------------------------------------------------------------------------- CLI

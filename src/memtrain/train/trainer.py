@@ -35,6 +35,7 @@ from memtrain.train.faults import (RunPosition, disk_full_message, is_oom, nonfi
                                    nonfinite_weights_message, oom_message, write_failure)
 from memtrain.memory.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
 from memtrain.recompute.meter import ActivationMeter
+from memtrain.recompute.compiled import CompiledLayers, CompileWatch, compile_line, compile_seconds
 from memtrain.units import GIB
 from memtrain.train.metrics import IntervalTimer, device_memory, host_rss_gib, medians, reset_device_peak
 from memtrain.model.build import build_model
@@ -213,6 +214,7 @@ class _Steps:
     measured_steps: int
     started: float
     probe: Any
+    compiles: Any  # memtrain.recompute.compiled.CompileWatch under train.compile, else None
 
 
 def _start(args: RunArgs, progress: RunPosition) -> _Run:
@@ -271,6 +273,8 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
             print(f"  {line}", flush=True)
         for line in checked.model_lines:
             print(line, flush=True)
+        if checked.compile.line:
+            print(checked.compile.line, flush=True)
         if isinstance(data, PackedChat):  # what was packed, how full the rows are, what was skipped and why
             print(report_line(data.report, recipe.data), flush=True)
         if memory_plan is not None:
@@ -282,7 +286,8 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     ds_log.to_file(run_dir, rank)
 
     # --- model, AC hooks, engine
-    engine, longctx, layout, number_changed = build_engine(recipe, config, plan, ds_config, args.ds_config, checked.spec)
+    engine, longctx, layout, number_changed = build_engine(recipe, config, plan, ds_config, args.ds_config, checked.spec,
+                                                           compiled=checked.compile.on)
     if rank == 0:
         print("\n".join(longctx.lines), flush=True)
         if number_changed:  # number_checkpoints "auto": the modules matched are known now
@@ -336,6 +341,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     timer.start()
     probe = _start_probe(engine) if t.probe else None
     deadline = StopDeadline(t.stop_deadline_s, t.metric_warmup_steps)
+    compiles = CompileWatch() if run.checked.compile.on else None
     for step in range(start, start if stop_signal else t.max_steps):
         measure = step == interval_start  # activation bytes of one forward per interval
         loss_sum = torch.zeros((), device=device)
@@ -356,6 +362,9 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
         step_losses.append(loss_sum)
         done = step + 1
         bar.update(1)
+        if compiles is not None:  # host-side counters: no device sync
+            _report_compiles(compiles, step, done, start, t.max_steps, rank, bar, meter.bytes,
+                             _planned_activations(run))
         agreed = agreement.step()  # signals any rank had by the end of the previous step
         if not (is_boundary(done, t, every) or agreed):
             continue
@@ -408,7 +417,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     bar.close()
     agreement.close()
 
-    return _Steps(start, done, status, stop_signal, last_loss, history, measured_steps, started, probe)
+    return _Steps(start, done, status, stop_signal, last_loss, history, measured_steps, started, probe, compiles)
 
 
 def _finish(run: _Run, steps: _Steps) -> dict:
@@ -446,6 +455,9 @@ def _finish(run: _Run, steps: _Steps) -> dict:
         summary["peak_allocated_gib"] = max((r["memory/peak_allocated_gib"] for r in history), default=0.0)
     if memory_plan is not None:
         summary["memory_plan"] = memory_plan.to_dict()
+    if steps.compiles is not None:
+        summary["compile"] = {"compiles": steps.compiles.compiles, "seconds": compile_seconds(),
+                              "recompiles_after_warmup": steps.compiles.late}
     if probe is not None:
         probe.__exit__(None, None, None)
         summary["probe"] = {**summarize(probe.steps), "per_step": probe.steps}
@@ -462,6 +474,27 @@ def _finish(run: _Run, steps: _Steps) -> dict:
     # threads were seen to abort a finished rank ("terminate called without an active exception").
     dist.destroy_process_group()
     return summary
+
+
+COMPILE_WARMUP_STEPS = 2  # steps that may compile: the first forward and backward, and a graph-mode change
+
+
+def _planned_activations(run: _Run) -> Optional[int]:
+    prediction = run.memory_plan.prediction if run.memory_plan is not None else run.checked.prediction
+    return getattr(prediction, "saved_activations", None)
+
+
+def _report_compiles(compiles: CompileWatch, step: int, done: int, start: int, max_steps: int, rank: int, bar,
+                     measured: int, planned: Optional[int]) -> None:
+    """train.compile: a warning for each compile after the warm-up (with dynamo's reason), and the compile line
+    once the warm-up is over (with the measured activations against the plan's eager prediction)."""
+    lines = compiles.step_done(step, warmed_up=done > start + COMPILE_WARMUP_STEPS)
+    if rank != 0:
+        return
+    for line in lines:
+        bar.write(f"warning: {line}")
+    if done == min(start + COMPILE_WARMUP_STEPS, max_steps):
+        bar.write(compile_line(compiles, measured, planned))
 
 
 class StopDeadline:
@@ -538,10 +571,11 @@ def _start_probe(engine):
     return Zero3Probe(engine.module, list(decoder_layers(engine.module)[1])).__enter__()
 
 
-def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spec):
+def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spec, compiled: bool = False):
     """The model (built partitioned under ZeRO-3, with transformers' own initialisation), the AC plan's
-    hooks and the DeepSpeed engine: (engine, long-context set-up, data layout, whether the JSON's "auto"
-    number_checkpoints changed now that the plan met the model; `ds_config` then holds the new value)."""
+    hooks (each decoder layer compiled with `compiled`: train.compile) and the DeepSpeed engine: (engine,
+    long-context set-up, data layout, whether the JSON's "auto" number_checkpoints changed now that the plan met
+    the model; `ds_config` then holds the new value)."""
     import deepspeed
 
     _seed_everything(recipe.train.seed)
@@ -555,7 +589,8 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
     freeze(model, recipe.train.trainable, recipe.train.frozen)  # before DeepSpeed sees which parameters train
     # tiled MLP, sequence parallel, loss
     longctx = long_context.prepare(model, recipe, stage, tp_size(ds_config))
-    apply_plan(model, plan)  # the model, not its layer list: module-path patterns are relative to it
+    # the model, not its layer list: module-path patterns are relative to it
+    apply_plan(model, plan, CompiledLayers(plan.op_save) if compiled else None)
     changed = False
     ac_json = raw_ds_config.get("activation_checkpointing")
     if isinstance(ac_json, dict) and ac_json.get("number_checkpoints", AUTO) == AUTO:  # modules are known now

@@ -39,12 +39,15 @@ DEFAULT_RECIPE = "recipes/llama-1b.yaml"
 SMOKE = ["model.config.num_hidden_layers=2", "data.seq_len=64", "train.micro_batch_size=2"]
 SMOKE_STEPS, SMOKE_WARMUP = 2, 1
 SEARCH_LIMIT = 256  # micro-batches beyond this are not probed
-# the plain-PyTorch and DeepSpeed peers, memtrain with leaf layers and one-GPU residency (its default), and the same
-# without them (`-leaf-resident`: how memtrain ran before memtrain.config.zero3), all in one run
+# the plain-PyTorch and DeepSpeed peers, memtrain with leaf layers and one-GPU residency (its default), the same
+# without them (`-leaf-resident`: how memtrain ran before memtrain.config.zero3), and compiled layers (`+compile`:
+# train.compile, which `train.compile: auto` reads back from this run's JSON), all in one run
 GPU_CHECK_SETUPS = ("torch:noac", "torch:hf-ac", "torch:sac", "deepspeed:cpu-ckpt",
                     "memtrain:none", "memtrain:full", "memtrain:full@deepspeed", "memtrain:full+offload",
                     "memtrain:op", "memtrain:auto",
-                    "memtrain:none-leaf-resident", "memtrain:full+offload-leaf-resident", "memtrain:op-leaf-resident")
+                    "memtrain:none-leaf-resident", "memtrain:full+offload-leaf-resident", "memtrain:op-leaf-resident",
+                    "memtrain:none+compile", "memtrain:full+offload+compile", "memtrain:op+compile",
+                    "memtrain:auto+compile")
 GPU_CHECK_STEPS, GPU_CHECK_WARMUP = 20, 10  # 30 steps each
 # DeepSpeed 0.19.8's own cpu_checkpointing loses the checkpoint on a CPU accelerator: its copy "to CPU"
 # returns the same tensor, whose storage it then empties. It can only run on a GPU.
@@ -95,10 +98,10 @@ def gpu_check(args) -> None:
     for name in bar:
         bar.set_postfix(setup=name)
         extra: tuple[str, ...] = ()
-        if name == "memtrain:auto":
+        if name in ("memtrain:auto", "memtrain:auto+compile"):
             plain = next((r for r in results if r["setup"] == "torch:noac" and r.get("peak_gib")), None)
             if plain is None:
-                results.append({"setup": name, "label": "trainer, policy 'auto'", "micro_batch": run.micro_batch,
+                results.append({"setup": name, "label": parse_setup(name).label, "micro_batch": run.micro_batch,
                                 "error": "no budget: torch:noac has no measured peak"})
                 continue
             extra = (f"activation_checkpointing.memory_budget={plain['peak_gib'] / 2:.3f}",)

@@ -66,6 +66,7 @@ class Runner:
                           "train.save_checkpoints=false"]
             if setup.backend != "auto":
                 overrides.append(f"activation_checkpointing.backend={setup.backend}")
+            overrides.append(f"train.compile={str(setup.compiled).lower()}")
             if self.ngpus > 1:
                 launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(self.ngpus),
                             "--master_port", str(free_port())]

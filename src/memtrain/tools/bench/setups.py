@@ -6,10 +6,11 @@
   and attention outputs, recomputes the rest: memtrain's `op` policy on the torch backend);
 * `deepspeed:cpu-ckpt`: ZeRO-3, `deepspeed.checkpointing.checkpoint` per layer with DeepSpeed's own
   `cpu_checkpointing` (the JSON switch with `cpu_checkpointing_impl: deepspeed`);
-* `memtrain:<policy>[+offload][@torch|@deepspeed][-leaf][-resident]`: the trainer (`src/train.py`, the
+* `memtrain:<policy>[+offload][@torch|@deepspeed][+compile][-leaf][-resident]`: the trainer (`src/train.py`, the
   same code a training run executes) with a memtrain policy (`none`, `full`, `every:2`, `op`, `auto`,
   ...); `+offload` turns on the JSON's `cpu_checkpointing`, which runs memtrain's offload; `@` forces
-  the checkpoint backend (default: the recipe's, normally `auto`). `-leaf` keeps ZeRO-3's hooks on
+  the checkpoint backend (default: the recipe's, normally `auto`); `+compile` sets `train.compile: true`
+  (each layer under torch.compile, memtrain.recompute.compiled). `-leaf` keeps ZeRO-3's hooks on
   every submodule (the JSON names no leaf module) and `-resident` turns one-rank residency off (the
   JSON's persistence threshold is 0): the set-ups as they ran before memtrain.config.zero3.
 
@@ -30,7 +31,7 @@ BASELINE = "torch:noac"
 _PLAIN = {"noac": "no activation checkpointing", "hf-ac": "transformers gradient_checkpointing_enable",
           "sac": "torch selective AC (save matmul + attention)"}
 HELP = ("torch:noac | torch:hf-ac | torch:sac | deepspeed:cpu-ckpt | "
-        "memtrain:<policy>[+offload][@torch|@deepspeed][-leaf][-resident]")
+        "memtrain:<policy>[+offload][@torch|@deepspeed][+compile][-leaf][-resident]")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Setup:
     impl: str = "memtrain"  # who offloads when cpu_checkpointing is on
     leaf: bool = True       # memtrain's ZeRO-3 leaf layers (memtrain.config.zero3)
     resident: bool = True   # memtrain's one-rank residency
+    compiled: bool = False  # train.compile: true
 
     @property
     def label(self) -> str:
@@ -53,7 +55,8 @@ class Setup:
         offload = ", memtrain offload" if self.cpu_checkpointing else ""
         backend = "" if self.backend == "auto" else f" ({self.backend} checkpoint)"
         zero3 = [what for what, on in (("no leaf layers", self.leaf), ("not resident", self.resident)) if not on]
-        return f"trainer, policy '{self.ac}'{backend}{offload}" + "".join(f", {z}" for z in zero3)
+        compiled = ", compiled" if self.compiled else ""
+        return f"trainer, policy '{self.ac}'{backend}{offload}{compiled}" + "".join(f", {z}" for z in zero3)
 
 
 def parse_setup(name: str) -> Setup:
@@ -67,6 +70,8 @@ def parse_setup(name: str) -> Setup:
         for flag in ("resident", "leaf"):
             flags[flag] = not rest.endswith(f"-{flag}")
             rest = rest.removesuffix(f"-{flag}")
+        flags["compiled"] = rest.endswith("+compile")
+        rest = rest.removesuffix("+compile")
         policy, at, backend = rest.rpartition("@") if "@" in rest else (rest, "", "auto")
         offload = policy.endswith("+offload")
         policy = policy.removesuffix("+offload")

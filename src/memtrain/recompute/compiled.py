@@ -1,0 +1,168 @@
+"""Compiled decoder layers: `train.compile` runs each layer's forward under torch.compile, recompute traced inside.
+
+torchtitan's order: recompute inside the compiled region. A layer's checkpoint is traced by dynamo as one
+`tag_activation_checkpoint` region, and AOTAutograd's partitioner recomputes what the policy does not save inside
+the compiled backward (fused with it). Mode `op` takes its save decisions once, while the layer is traced
+(`selective_trace_context_fn`). Layers that recompute nothing are compiled too.
+
+The compiled unit is the layer's `forward`, called through transformers' per-layer checkpoint hook
+(`GradientCheckpointingLayer._gradient_checkpointing_func`); the layer's `__call__`, and with it ZeRO-3's
+gather and release hooks (`torch.compiler.disable`), stays outside. With the decoder layers as ZeRO-3 leaf
+modules (memtrain.config.zero3) no hook sits inside a layer, and its body compiles whole: one graph that every
+layer of the same shape shares (dynamo treats the layer as an input, so 22 layers compile once).
+
+What is traced stays apart from what runs eagerly around it: memtrain's activation offload packs the compiled
+function's saved inputs with saved-tensor hooks around the call; DeepSpeed's reentrant checkpoint runs the
+compiled forward inside its own (eager) checkpoint; sqrt segments call each layer's compiled forward inside
+the segment's eager checkpoint.
+
+Shapes are static (`dynamic=False`): a run's batches have one shape, and a change would rather recompile, with
+a warning that names it (`CompileWatch`), than switch to slower dynamic kernels.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import types
+from typing import Callable, Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from memtrain.recompute.policy import draws_random, op_rules
+
+
+def _forward(function, *args):
+    return function(*args)
+
+
+def _recompute(function, *args):
+    return checkpoint(function, *args, use_reentrant=False)
+
+
+def selective_trace_context_fn(entries) -> Callable:
+    """`context_fn` for a selective checkpoint that torch.compile traces: the rules of eager mode op
+    (memtrain.recompute.hooks.op_context_fn), decided once, in forward order, while the layer is traced. 'but-last' needs nothing here:
+    AOTAutograd's partitioner saves only what the compiled backward reads, and an output that only feeds
+    additions is not read."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    rules = op_rules(entries)
+
+    def context_fn():
+        # the trace asks in the forward and again in the recompute, whose count must start where the forward's did
+        counts = {False: [0] * len(rules), True: [0] * len(rules)}
+
+        def policy(ctx, func, *args, **kwargs):
+            if draws_random(func, args, kwargs):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            for i, (ops, every, _) in enumerate(rules):
+                if func in ops:
+                    counted = counts[bool(getattr(ctx, "is_recompute", False))]
+                    counted[i] += 1
+                    return CheckpointPolicy.MUST_SAVE if (counted[i] - 1) % every == 0 \
+                        else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    # AOTAutograd's on-disk cache keys the region by it: the save list, and this code (an edit must not reuse
+    # graphs compiled with other decisions)
+    code = "".join(inspect.getsource(f) for f in (selective_trace_context_fn, op_rules, draws_random))
+    context_fn.cache_hash = hashlib.sha256(f"{code}{entries!r}".encode()).hexdigest()
+    return context_fn
+
+
+class CompiledLayers:
+    """The compiled callables a model's decoder layers share, each `fn(function, *args)` with `function` the
+    layer's forward bound to its keyword arguments (what transformers' checkpoint hook passes):
+
+    * `forward`: the layer as it is (layers that keep their activations; inside an eager checkpoint);
+    * `full`: the layer recomputed whole in the compiled backward;
+    * `op`: the layer under selective checkpoint with the plan's op save list;
+    * `inner`: not compiled itself: the checkpoint a recomputed sublayer runs inside its compiled layer.
+    """
+
+    def __init__(self, op_save: tuple[str, ...]) -> None:
+        _quiet_trace_warnings()
+        context_fn = selective_trace_context_fn(op_save)
+
+        def selective(function, *args):
+            return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn)
+
+        self.forward = torch.compile(_forward, dynamic=False)
+        self.full = torch.compile(_recompute, dynamic=False)
+        self.op = torch.compile(_own_code(selective), dynamic=False)
+        self.inner = _recompute
+
+
+def _own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own. dynamo keeps compiled code per code object and does not guard which
+    context_fn a checkpoint's closure holds: two save lists in one process would share the first one's graph."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _quiet_trace_warnings() -> None:
+    """torch warns once per process that a checkpoint with a context_fn is traced (about in-place ops inside it:
+    transformers' layers have none); a clean run prints its plan, a bar and a summary."""
+    logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
+
+
+# --------------------------------------------------------------------------- compiles, counted
+
+def _metrics() -> list:
+    from torch._dynamo.utils import get_compilation_metrics
+
+    return get_compilation_metrics()
+
+
+class CompileWatch:
+    """dynamo's compiles in this process, read at a step's end on the host (no device sync): how many, and why each
+    one after the warm-up happened (dynamo's recompile reason, e.g. a size guard). A compiled region's backward is
+    compiled at its first backward and counts with its forward, not on its own."""
+
+    def __init__(self) -> None:
+        self._seen = {id(m) for m in _metrics()}
+        self.compiles = 0
+        self.late: list[str] = []  # one line per compile after the warm-up, with its reason
+
+    def step_done(self, step: int, warmed_up: bool) -> list[str]:
+        """Compiles since the last call; after the warm-up, a warning line for each (returned)."""
+        fresh = [m for m in _metrics() if id(m) not in self._seen]
+        self._seen.update(id(m) for m in fresh)
+        frames = [m for m in fresh if getattr(m, "is_forward", None) is not False]
+        self.compiles += len(frames)
+        lines = []
+        for m in frames if warmed_up else ():
+            reason = (getattr(m, "recompile_reason", None) or "a new code path").strip().splitlines()[0]
+            lines.append(f"torch.compile recompiled {getattr(m, 'co_name', None) or 'a layer'} at step {step + 1}, "
+                         f"after the warm-up ({reason}); each recompile costs seconds, and the shapes of a run "
+                         "should not change")
+        self.late += lines
+        return lines
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent compiling, forward and backward (dynamo's own timers)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(sum(compilation_time_metrics.get(name, ())) for name in ("_compile.compile_inner",
+                                                                         "backward._backward_impl"))
+
+
+def compile_line(watch: CompileWatch, measured: Optional[int] = None, planned: Optional[int] = None) -> str:
+    """The compile line once the warm-up is over; with the activation bytes one forward saved (`measured`, the
+    run's ActivationMeter) and what the plan predicted for eager layers (`planned`), how far apart they are."""
+    late = len(watch.late)
+    line = (f"compile: {watch.compiles} compile{'s' if watch.compiles != 1 else ''}, {compile_seconds():.1f} s "
+            f"(forward and backward); {late} recompile{'s' if late != 1 else ''} after the warm-up")
+    if measured is not None and planned:
+        line += (f"; activations saved per forward: {measured / 2**20:.2f} MiB compiled vs {planned / 2**20:.2f} MiB "
+                 f"planned for eager layers ({(measured - planned) / planned:+.0%})")
+    return line
+
+
+def compiled_fn(compiled: Optional[CompiledLayers]) -> Callable:
+    """How a layer's forward runs inside an eager unit (a sqrt segment, DeepSpeed's checkpoint)."""
+    return compiled.forward if compiled is not None else _forward

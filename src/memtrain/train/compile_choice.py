@@ -1,0 +1,104 @@
+"""Whether a run compiles its decoder layers (`train.compile`), and one line for what cannot compose with it."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from memtrain.errors import UserError
+from memtrain.recompute.policy import ATTN, MLP, ACPlan
+
+GPU_CHECK_DIR = Path("reports/gpu")  # where `make gpu-check` writes <device>.json
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    on: bool = False
+    line: str = ""  # the plan line ("" when train.compile is false)
+
+
+def choose_compile(asked, plan: ACPlan, device: str, device_name: str, tp: int = 1, sequence: int = 1,
+                   leaf_layers: bool = True, stage: int = 3, reports: Path = GPU_CHECK_DIR) -> CompileChoice:
+    """train.compile (false | true | auto) for this run; a UserError naming the key where it cannot compose."""
+    if asked is False:
+        return CompileChoice()
+    why = ""
+    if asked == "auto":
+        faster, why = measured_faster(plan.policy, device, device_name, reports)
+        if not faster:
+            return CompileChoice(False, f"compile: off (train.compile auto: {why})")
+        why = f" (train.compile auto: {why})"
+    check_composes(plan, tp, sequence, hooks_inside=stage == 3 and not leaf_layers)
+    how = "recompute traced inside (torchtitan's order)" if plan.backend == "torch" else \
+        "inside DeepSpeed's eager checkpoint"
+    return CompileChoice(True, f"compile: each decoder layer's forward under torch.compile, {how}{why}; memory is "
+                               "planned for eager layers, and measured against the compiled ones after the warm-up")
+
+
+def check_composes(plan: ACPlan, tp: int, sequence: int, hooks_inside: bool = False) -> None:
+    """One line for each set-up train.compile does not run (each named by its key). `hooks_inside`: ZeRO-3 hooks
+    the decoder layers' submodules (no leaf layers), so its hooks would run inside the compiled layers."""
+    no = "train.compile: true cannot be combined with"
+    if hooks_inside and plan.segments:
+        raise UserError(f"{no} activation_checkpointing.policy '{plan.policy}' under ZeRO-3: a sqrt segment recomputes "
+                        "several layers in one checkpoint, so ZeRO-3 hooks their submodules (no leaf layers), and "
+                        "those hooks would run inside the compiled layers; use full, every:K or op")
+    if hooks_inside:
+        raise UserError(f"{no} the JSON's zero_optimization.leaf_module / stage3_module_granularity_threshold: they "
+                        "leave ZeRO-3's hooks on the decoder layers' submodules, inside what would be compiled; drop "
+                        "them (memtrain then makes each decoder layer a leaf module)")
+    if plan.modules:
+        raise UserError(f"{no} activation_checkpointing.policy 'modules' (its modules need not sit inside a decoder "
+                        "layer, the unit that is compiled); use a per-layer policy, or train.compile: false")
+    sub = [i for i, mode in enumerate(plan.layers) if mode in (ATTN, MLP)]
+    if sub and plan.backend == "deepspeed":
+        raise UserError(f"{no} a recomputed sublayer (policy '{plan.policy}') on activation_checkpointing.backend "
+                        "deepspeed: DeepSpeed's checkpoint cannot be traced inside the compiled layer; use backend torch")
+    if sub and plan.memtrain_offload and any(plan.offload[i] for i in sub):
+        raise UserError(f"{no} cpu_checkpointing of a recomputed sublayer (policy '{plan.policy}'): the offload "
+                        "hooks cannot run inside the compiled layer; recompute whole layers (full, op) to offload")
+    if tp > 1:
+        raise UserError(f"{no} tensor_parallel.autotp_size {tp}: AutoTP's layers all-reduce inside the decoder "
+                        "layer through deepspeed.comm, which torch.compile does not trace")
+    if sequence > 1:
+        raise UserError(f"{no} parallel.sequence {sequence}: Ulysses' all-to-all runs inside the decoder layer's "
+                        "attention through deepspeed.comm, which torch.compile does not trace")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+
+
+def measured_faster(policy: str, device: str, device_name: str, reports: Path = GPU_CHECK_DIR) -> tuple[bool, str]:
+    """train.compile auto: whether this device's `make gpu-check` measured the compiled set-ups faster than the same
+    set-ups eager (the one with this run's policy where it ran, else all of them), and why not."""
+    if device != "cuda":
+        return False, "off on CPU"
+    path = reports / f"{_slug(device_name)}.json"
+    try:
+        results = json.loads(path.read_text())["results"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, f"no make gpu-check figures for {device_name} in {path}"
+    speed = {r["setup"]: r["tokens_per_s"] for r in results if isinstance(r, dict) and r.get("tokens_per_s")}
+    pairs = {name.removeprefix("memtrain:").removesuffix("+compile"): (speed.get(name.removesuffix("+compile")),
+                                                                       speed[name])
+             for name in speed if name.endswith("+compile")}
+    pairs = {base: pair for base, pair in pairs.items() if pair[0]}
+    if not pairs:
+        return False, f"{path} has no compiled set-up measured beside its eager one"
+    own = {base: pair for base, pair in pairs.items() if base.partition("+")[0] == policy}
+    chosen = own or pairs
+    ratios = ", ".join(f"{base} {c / e:.2f}x" for base, (e, c) in chosen.items())
+    if any(c <= e for e, c in chosen.values()):
+        return False, f"make gpu-check measured compiled vs eager on {device_name}: {ratios}, not all faster"
+    return True, f"make gpu-check measured compiled vs eager on {device_name}: {ratios}"
+
+
+def device_name(device: str) -> Optional[str]:
+    if device != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name()

@@ -1,0 +1,165 @@
+"""train.compile on CPU in one process: compiled decoder layers (memtrain.recompute.compiled) against eager ones.
+
+Gradients for every policy and both checkpoint backends, memtrain's offload of a compiled layer's inputs, a
+recompile after the warm-up as a warning naming its reason, `train.compile: auto`, and the one-line refusals. The
+same under ZeRO-3 on 2 ranks, with losses, fetches and recompile counts, is in tests/test_zero3_hooks.py; a stopped
+and resumed compiled run is in tests/test_resume.py. A layer counts as compiled when autograd's graph holds its
+compiled region's backward (`CompiledFunctionBackward`), which eager layers never make.
+"""
+import copy
+import json
+
+import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
+import pytest
+import torch
+
+from conftest import ROOT, compiled_regions
+from memtrain.config.args import parse_args
+from memtrain.config.recipe import DEFAULT_OP_SAVE
+from memtrain.errors import UserError
+from memtrain.recompute.compiled import CompiledLayers, CompileWatch
+from memtrain.recompute.hooks import apply_plan
+from memtrain.recompute.meter import ActivationMeter
+from memtrain.recompute.policy import plan_for
+from memtrain.train.compile_choice import choose_compile
+from memtrain.train.preflight import check_run
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """Compiled code of other test modules in this process stays out of the counts (and of dynamo's cache limit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def base(small_llama):
+    return small_llama
+
+
+def _ids(seq=32):
+    return torch.randint(0, 257, (2, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    meter = ActivationMeter()
+    with meter.measure():
+        loss = model(input_ids=ids, labels=ids).loss
+    regions = compiled_regions(loss)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, meter.bytes, regions
+
+
+CASES = [("none", "torch"), ("full", "torch"), ("every:2", "torch"), ("sqrt", "torch"), ("selective:attn", "torch"),
+         ("selective:mlp", "torch"), ("op", "torch"), ("full", "deepspeed"), ("sqrt", "deepspeed")]
+
+
+@pytest.mark.parametrize("policy, backend", CASES, ids=lambda v: str(v))
+def test_compiled_layers_give_eager_gradients(base, policy, backend):
+    plan = plan_for(policy, 4, backend=backend)
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    apply_plan(eager, plan)
+    apply_plan(compiled, plan, CompiledLayers(plan.op_save))
+    ids = _ids()
+    loss_e, grads_e, _, regions_e = _step(eager, ids)
+    loss_c, grads_c, _, regions_c = _step(compiled, ids)
+    assert regions_e == 0
+    # every layer is a compiled region of autograd's graph, except inside DeepSpeed's reentrant checkpoint, which
+    # runs the compiled forward without a graph (its recompute makes one, in the backward)
+    assert regions_c == (0 if backend == "deepspeed" else 4)
+    assert abs(loss_c - loss_e) < 1e-5
+    for name, g in grads_e.items():
+        assert torch.allclose(grads_c[name], g, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("op_save", [list(DEFAULT_OP_SAVE), ["matmul/2"]], ids=["default", "every-2nd-matmul"])
+def test_compiled_selective_checkpoint_saves_what_eager_op_saves(base, op_save):
+    """Mode op under compile decides at trace time, from the same save list (each list its own graph, also in one
+    process): about what eager op keeps, far less than no recompute keeps."""
+    bytes_ = {}
+    for policy in ("op", "none"):
+        plan = plan_for(policy, 4, backend="torch", op_save=op_save)
+        for compiled in (False, True):
+            model = copy.deepcopy(base)
+            apply_plan(model, plan, CompiledLayers(plan.op_save) if compiled else None)
+            bytes_[policy, compiled] = _step(model, _ids())[2]
+    # at most what eager op keeps (+5%); less where an output it must save is read by no backward (down_proj's)
+    assert 0.8 * bytes_["op", False] <= bytes_["op", True] <= 1.05 * bytes_["op", False], bytes_
+    assert bytes_["op", True] < 0.8 * bytes_["none", True], bytes_
+
+
+def test_a_recompile_after_the_warm_up_is_a_warning_naming_its_reason(base):
+    plan = plan_for("full", 4, backend="torch")
+    model = copy.deepcopy(base)
+    apply_plan(model, plan, CompiledLayers(plan.op_save))
+    watch = CompileWatch()
+    lines = []
+    for step, seq in enumerate((32, 32, 32, 24)):
+        _step(model, _ids(seq))
+        lines.append(watch.step_done(step, warmed_up=step >= 2))
+    assert lines[:3] == [[], [], []] and watch.compiles >= 1  # the first step compiled, quietly
+    assert len(lines[3]) == 1 and watch.late == lines[3]
+    assert "recompiled" in lines[3][0] and "at step 4" in lines[3][0]
+    assert "size mismatch" in lines[3][0] and "expected 32, actual 24" in lines[3][0], lines[3][0]
+
+
+def _gpu_check(tmp_path, name, pairs):
+    results = [r for setup, (eager, compiled) in pairs.items()
+               for r in ({"setup": setup, "tokens_per_s": eager}, {"setup": f"{setup}+compile", "tokens_per_s": compiled})]
+    (tmp_path / f"{name.replace(' ', '-')}.json").write_text(json.dumps({"results": results}))
+
+
+def test_compile_auto_follows_the_devices_gpu_check(tmp_path):
+    plan = plan_for("full", 4, backend="torch")
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert not choose_compile(False, plan, "cuda", h100, reports=tmp_path).on
+    assert choose_compile(True, plan, "cpu", "", reports=tmp_path).on
+    off = choose_compile("auto", plan, "cpu", "", reports=tmp_path)
+    assert not off.on and "off on CPU" in off.line
+    missing = choose_compile("auto", plan, "cuda", h100, reports=tmp_path)
+    assert not missing.on and "no make gpu-check figures for NVIDIA H100 80GB HBM3" in missing.line
+    _gpu_check(tmp_path, h100, {"memtrain:full+offload": (100.0, 125.0), "memtrain:op": (100.0, 90.0)})
+    on = choose_compile("auto", plan, "cuda", h100, reports=tmp_path)  # this run's policy, full, measured faster
+    assert on.on and "full+offload 1.25x" in on.line
+    slower = choose_compile("auto", plan_for("op", 4, backend="torch"), "cuda", h100, reports=tmp_path)
+    assert not slower.on and "op 0.90x" in slower.line
+    # a policy gpu-check did not run: compiled must have been faster in every pair it measured
+    assert not choose_compile("auto", plan_for("every:2", 4, backend="torch"), "cuda", h100, reports=tmp_path).on
+
+
+DS = str(ROOT / "ds_configs" / "zero3_ckpt.json")
+
+
+@pytest.mark.parametrize("argv, world, expected", [
+    (["--set", "activation_checkpointing.policy=modules"], 2, "policy 'modules'"),
+    (["--set", "activation_checkpointing.policy=sqrt"], 2, "policy 'sqrt' under ZeRO-3"),
+    (["--set", "activation_checkpointing.policy=selective:attn", "--set", "activation_checkpointing.backend=deepspeed"],
+     2, "on activation_checkpointing.backend deepspeed"),
+    (["--set", "parallel.sequence=2"], 2, "parallel.sequence 2"),
+    (["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json")], 2, "tensor_parallel.autotp_size 2"),
+], ids=["modules", "sqrt-zero3", "deepspeed-sublayer", "ulysses", "autotp"])
+def test_what_cannot_compose_is_one_line_naming_its_key(argv, world, expected):
+    args = parse_args(["--deepspeed", DS, *argv, "--set", "train.compile=true",
+                       "--set", "activation_checkpointing.modules=[model.layers.*.mlp]"])
+    with pytest.raises(UserError) as e:
+        check_run(args, world)
+    message = str(e.value)
+    assert message.startswith("embedded recipe 'tiny': train.compile: true cannot be combined with"), message
+    assert expected in message and "\n" not in message
+
+
+def test_a_sublayers_offload_cannot_compose():
+    plan = plan_for("selective:mlp", 4, ds_config={"activation_checkpointing": {"cpu_checkpointing": True}},
+                    backend="torch")
+    assert plan.memtrain_offload
+    with pytest.raises(UserError, match="cpu_checkpointing of a recomputed sublayer"):
+        choose_compile(True, plan, "cuda", "")
+
+
+def test_the_plan_says_memory_is_predicted_for_eager_layers():
+    checked = check_run(parse_args(["--deepspeed", DS, "--set", "train.compile=true"]), 2)
+    assert checked.compile.on and "planned for eager layers" in checked.compile.line
+    assert any(note.startswith("train.compile: predicted for eager layers") for note in checked.prediction.notes)
+    assert not check_run(parse_args(["--deepspeed", DS]), 2).compile.line
+
