@@ -154,6 +154,22 @@ def all_finite(directory: Path) -> bool:
     return found
 
 
+def cut_back(run_dir: Path, dst: Path, step: int) -> Path:
+    """A copy of a finished run as if it had stopped after its step-`step` model checkpoint (the same state a run
+    stopped there saved): later checkpoints, final/, summary.json and TensorBoard events left out, `latest`
+    naming step `step`. Resuming it and comparing with the finished run costs one launch less than a stopped run."""
+    import shutil
+
+    from memtrain.train.checkpoint import tag_for
+
+    keep = tag_for(step)
+    shutil.copytree(run_dir, dst, ignore=lambda folder, names: [
+        n for n in names if (Path(folder) == run_dir and n in ("final", "summary.json", "tb"))
+        or (Path(folder).name == "checkpoints" and n.startswith("step") and n > keep)])
+    (dst / "checkpoints" / "latest").write_text(keep)
+    return dst
+
+
 def autograd_nodes(loss):
     """Every node of the autograd graph behind `loss`, once each."""
     seen, stack = set(), [loss.grad_fn]

@@ -232,8 +232,9 @@ def test_ac_profile_cli_writes_table_and_csv(tmp_path, capsys):
     assert int(rows[1]["activation_bytes"]) < int(rows[2]["activation_bytes"]) < int(rows[0]["activation_bytes"])
 
 
-ZERO3_RUNS = {"sqrt": [], "op+first:2": [],  # sqrt: DeepSpeed's checkpoint (hooked layers); op: torch's
-              "selective:mlp, deepspeed backend": ["--set", "activation_checkpointing.backend=deepspeed"]}
+# sqrt: DeepSpeed's checkpoint (hooked layers). The other policies under ZeRO-3 on 2 ranks, with the trainer's engine
+# set-up but without a launch each: tests/test_zero3_hooks.py
+ZERO3_RUNS = {"sqrt": []}
 
 
 @pytest.fixture(scope="module")

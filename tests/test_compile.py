@@ -51,8 +51,9 @@ def _step(model, ids):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, meter.bytes, regions
 
 
-CASES = [("none", "torch"), ("full", "torch"), ("every:2", "torch"), ("sqrt", "torch"), ("selective:attn", "torch"),
-         ("selective:mlp", "torch"), ("op", "torch"), ("full", "deepspeed"), ("sqrt", "deepspeed")]
+# what runs under ZeRO-3 (none, full on both backends, every:2, selective:attn, op) is checked on 2 ranks there; here
+# sqrt segments (ZeRO 0-2 only), a recomputed MLP, and op with its save list
+CASES = [("sqrt", "torch"), ("sqrt", "deepspeed"), ("selective:mlp", "torch")]
 
 
 @pytest.mark.parametrize("policy, backend", CASES, ids=lambda v: str(v))
@@ -163,3 +164,26 @@ def test_the_plan_says_memory_is_predicted_for_eager_layers():
     assert any(note.startswith("train.compile: predicted for eager layers") for note in checked.prediction.notes)
     assert not check_run(parse_args(["--deepspeed", DS]), 2).compile.line
 
+
+def test_make_plan_says_its_figures_are_eager_layers(capsys):
+    from memtrain.tools.plan import main
+
+    main(["--set", "train.compile=true"])
+    assert "train.compile: these are eager layers' figures" in capsys.readouterr().out
+    main([])
+    assert "train.compile" not in capsys.readouterr().out
+
+
+
+def test_gpu_check_compares_compiled_set_ups_with_their_eager_peers():
+    from memtrain.tools.bench.table import gpu_check_targets
+
+    results = [{"setup": "torch:noac", "tokens_per_s": 100.0, "peak_gib": 10.0},
+               {"setup": "memtrain:full+offload", "tokens_per_s": 80.0, "peak_gib": 4.0, "mfu": 0.30},
+               {"setup": "memtrain:full+offload+compile", "tokens_per_s": 96.0, "peak_gib": 4.0, "mfu": 0.36,
+                "predicted_peak_gib": 8.0}]
+    lines = gpu_check_targets(results)
+    assert "- tokens/s, compiled full + offload / eager full + offload: 1.20 (target >= 1.1) - met" in lines
+    assert "- best MFU of a compiled set-up: 0.36 (target >= 0.45) - NOT met" in lines
+    # its eager-layer prediction (+100% here) is not held against the planner's error target
+    assert any(line.startswith("- largest |predicted - measured|") and "not measured" in line for line in lines)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, ROOT, assert_ok, run_train
+from conftest import FAST, ROOT, assert_ok, cut_back, run_train
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.errors import UserError
 from memtrain.memory import estimate as mm
@@ -32,10 +32,10 @@ def runs(tmp_path_factory):
     args = [*FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--set", f"model.pretrained={tmp / 'base'}", "--set", "model.config={}",
             "--set", "model.lora.r=4", "--set", "model.lora.target_modules=[q_proj,v_proj,down_proj]",
             "--set", "train.save_interval=2", "--set", "train.lr=1e-2"]
-    straight, stopped = tmp / "straight", tmp / "stopped"
+    straight = tmp / "straight"
     first = run_train([*args, "--max-steps", "6", "--run-dir", str(straight)], nproc=2)
     assert_ok(first)
-    assert_ok(run_train([*args, "--max-steps", "4", "--run-dir", str(stopped)], nproc=2))
+    stopped = cut_back(straight, tmp / "stopped", 4)
     resumed = run_train([*args, "--max-steps", "6", "--run-dir", str(stopped), "--resume"], nproc=2)
     assert_ok(resumed)
     return tmp, first

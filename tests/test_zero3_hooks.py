@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, _env, _free_port
 from families import FAMILIES
-from zero3_worker import COMPILED, STEPS_COMPILED
+from zero3_worker import COMPILED, COMPOSED, STEPS_COMPILED
 
 STEADY = 2  # the coordinator records its trace in the first step, uses it from the second
 
@@ -115,6 +115,18 @@ def test_compiled_layers_train_as_eager_ones_and_compile_only_in_the_warm_up(cas
     for step, base in zip(compiled["steps"][STEADY:], eager["steps"][STEADY:]):
         assert step["fetches"] == base["fetches"] and step["fetches"]["recompute"] == 0
         assert step["all_gather_bytes"] == base["all_gather_bytes"]
+
+
+@pytest.mark.parametrize("policy, backend", COMPOSED, ids=lambda v: str(v))
+def test_composed_policies_and_deepspeed_sublayers_equal_no_recompute(cases, policy, backend):
+    """op on the first 2 layers, and the MLP recomputed under DeepSpeed's checkpoint: the plan the trainer builds,
+    no recompute's gradients, and fewer activation bytes kept than no recompute (measured)."""
+    case, _ = cases[("leaf", policy, backend)]
+    none, _ = cases[("leaf", "none", "auto")]
+    assert case["plan_layers"] == (["op", "op", "keep", "keep"] if policy.startswith("op") else ["mlp"] * 4)
+    assert case["plan_backend"] == ("deepspeed" if backend == "deepspeed" else "torch")
+    assert _max_diff(case["grads"], none["grads"]) < 1e-6
+    assert case["activation_bytes"] < none["activation_bytes"]
 
 
 FROZEN = [("frozen", "none", "auto"), ("frozen", "full", "torch"), ("frozen", "full", "deepspeed"),

@@ -15,6 +15,7 @@ whether every frozen parameter is bit-identical after the steps and how many ele
 optimizer holds. Last, Ulysses sequence parallelism on the multi-head families (tests/families.py SP_MHA):
 their gradients against one full-sequence rank, into OUT_DIR/sp<r>.json.
 """
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -30,6 +31,9 @@ GRAD_POLICIES = ("none", "full", "every:2", "sqrt", "selective:attn", "selective
 CASES = [("leaf", "none", "auto", STEPS), ("leaf", "full", "torch", STEPS), ("leaf", "full", "deepspeed", STEPS),
          ("leaf", "op", "auto", STEPS), ("hooked", "full", "auto", STEPS), ("hooked", "full", "torch", STEPS)]
 CASES += [(v, p, "auto", 1) for p in GRAD_POLICIES for v in ("leaf", "hooked") if (v, p, "auto", STEPS) not in CASES]
+# compositions and a sublayer on DeepSpeed's checkpoint (the trainer itself runs sqrt: tests/test_ac_policies.py)
+COMPOSED = (("op+first:2", "auto"), ("selective:mlp", "deepspeed"))
+CASES += [("leaf", p, b, 1) for p, b in COMPOSED]
 # frozen embedding (the first layer's input then needs no grad: DeepSpeed's reentrant checkpoint would give its
 # layer no gradient) and attention; or only the MLPs train
 FREEZE = {"frozen": "train.frozen=[model.embed_tokens.*,*.self_attn.*]", "trainable": "train.trainable=[*.mlp.*]",
@@ -70,6 +74,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     from memtrain.config.ds_config import model_hidden_size, resolve_ds_config
     from memtrain.model.build import decoder_layers
     from memtrain.recompute.compiled import CompileWatch
+    from memtrain.recompute.meter import ActivationMeter
     from memtrain.train.preflight import check_run
     from memtrain.train.trainer import build_engine
     from memtrain.train.zero3_probe import Zero3Probe
@@ -95,7 +100,11 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     try:
         for step in range(steps):
             ids = torch.randint(0, checked.config.vocab_size, (2, 32))
-            loss = engine(input_ids=ids, labels=ids).loss
+            meter = ActivationMeter()
+            with meter.measure() if step == 0 else contextlib.nullcontext():
+                loss = engine(input_ids=ids, labels=ids).loss
+            if step == 0:
+                activation_bytes = meter.bytes
             losses.append(loss.item())
             if step == 0:
                 compiled_nodes = compiled_regions(loss)
@@ -116,7 +125,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     return {"variant": variant, "policy": policy, "backend": backend, "plan_backend": plan.backend,
             "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads, "losses": losses,
             "compiles": compiles.compiles, "late_compiles": compiles.late, "compile_line": checked.compile.line,
-            "compiled_nodes": compiled_nodes,
+            "compiled_nodes": compiled_nodes, "activation_bytes": activation_bytes, "plan_layers": list(plan.layers),
             "frozen": sorted(before), "frozen_changed": changed, "optimizer_numel": optimizer_numel,
             "trainable_line": next((line for line in checked.model_lines if line.startswith("trainable")), ""), "reference": reference}
 

@@ -16,7 +16,8 @@ Each checkpointed unit runs through `checkpoint_function(plan, index)`:
   DeepSpeed JSON's `activation_checkpointing` section, which is inert without this.
 
 Both backends restore the RNG state before a recompute, so recomputed dropout masks equal
-the forward's.
+the forward's. Under `train.compile` every layer runs through `memtrain.recompute.compiled`'s callables instead:
+torch's checkpoint traced inside the compiled layer, DeepSpeed's and a sqrt segment's around it.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from memtrain.config.recompute_spec import RecomputeSpec
 from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, SUBLAYER_NAMES, ACPlan, draws_random, op_rules
 from memtrain.recompute.offload import ActivationOffloader
 from memtrain.recompute.compiled import CompiledLayers, compiled_fn
+
 
 def op_context_fn(entries) -> Callable:
     """`context_fn` for torch's checkpoint: save the outputs of the listed ops, recompute the rest.

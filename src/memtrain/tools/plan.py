@@ -77,6 +77,9 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
         "policies": {}, "budget": budget,
         "allocator_margin_note": "measured as 0 on an H100 (memory.predict.ALLOCATOR_MARGIN)",
         "experts": experts_line(config, target.dtype),
+        "compile": (None if recipe.train.compile is False else
+                    "train.compile: these are eager layers' figures; a compiled layer saves what its compiled backward "
+                    "reads (often less), and the run's compile line gives the measured difference"),
     }
     long_profile = None
     if budget is not None:
@@ -178,6 +181,7 @@ def format_report(r: dict) -> str:
         "activations measured on fake tensors, one decoder layer per mode, scaled by the layer count; "
         f"rates {r['rates_note']}",
         *([r["experts"]] if r.get("experts") else []),
+        *([r["compile"]] if r.get("compile") else []),
         "",
         f"model states per device: {g(ms['total'])} GiB = parameters {g(ms['params'])} + gradients {g(ms['grads'])}"
         f" + optimizer states {g(ms['optimizer'])}"
