@@ -12,8 +12,9 @@ import json
 import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from conftest import ROOT, compiled_regions
+from conftest import ROOT, compiled_calls
 from memtrain.config.args import parse_args
 from memtrain.config.recipe import DEFAULT_OP_SAVE
 from memtrain.errors import UserError
@@ -42,13 +43,15 @@ def _ids(seq=32):
 
 
 def _step(model, ids):
+    """One forward under the activation meter and its backward, profiled: (loss, gradients, bytes saved, calls into
+    compiled code)."""
     model.zero_grad(set_to_none=True)
     meter = ActivationMeter()
-    with meter.measure():
-        loss = model(input_ids=ids, labels=ids).loss
-    regions = compiled_regions(loss)
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, meter.bytes, regions
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with meter.measure():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, meter.bytes, compiled_calls(prof)
 
 
 # what runs under ZeRO-3 (none, full on both backends, every:2, selective:attn, op) is checked on 2 ranks there; here
@@ -63,12 +66,13 @@ def test_compiled_layers_give_eager_gradients(base, policy, backend):
     apply_plan(eager, plan)
     apply_plan(compiled, plan, CompiledLayers(plan.op_save))
     ids = _ids()
-    loss_e, grads_e, _, regions_e = _step(eager, ids)
-    loss_c, grads_c, _, regions_c = _step(compiled, ids)
-    assert regions_e == 0
-    # every layer is a compiled region of autograd's graph, except inside DeepSpeed's reentrant checkpoint, which
-    # runs the compiled forward without a graph (its recompute makes one, in the backward)
-    assert regions_c == (0 if backend == "deepspeed" else 4)
+    loss_e, grads_e, _, calls_e = _step(eager, ids)
+    _step(compiled, ids)  # compiles
+    loss_c, grads_c, _, calls_c = _step(compiled, ids)
+    assert calls_e == 0
+    # each layer's compiled forward once, and again in the recompute of an eager checkpoint around it (a sqrt
+    # segment's, DeepSpeed's); a sublayer's recompute runs inside its layer's compiled backward
+    assert calls_c == (4 if policy.startswith("selective") else 8)
     assert abs(loss_c - loss_e) < 1e-5
     for name, g in grads_e.items():
         assert torch.allclose(grads_c[name], g, rtol=1e-4, atol=1e-6), name
@@ -101,7 +105,7 @@ def test_a_recompile_after_the_warm_up_is_a_warning_naming_its_reason(base):
         lines.append(watch.step_done(step, warmed_up=step >= 2))
     assert lines[:3] == [[], [], []] and watch.compiles >= 1  # the first step compiled, quietly
     assert len(lines[3]) == 1 and watch.late == lines[3]
-    assert "recompiled" in lines[3][0] and "at step 4" in lines[3][0]
+    assert "compiled a recomputed decoder layer again at step 4" in lines[3][0]
     assert "size mismatch" in lines[3][0] and "expected 32, actual 24" in lines[3][0], lines[3][0]
 
 
@@ -114,19 +118,25 @@ def _gpu_check(tmp_path, name, pairs):
 def test_compile_auto_follows_the_devices_gpu_check(tmp_path):
     plan = plan_for("full", 4, backend="torch")
     h100 = "NVIDIA H100 80GB HBM3"
-    assert not choose_compile(False, plan, "cuda", h100, reports=tmp_path).on
-    assert choose_compile(True, plan, "cpu", "", reports=tmp_path).on
-    off = choose_compile("auto", plan, "cpu", "", reports=tmp_path)
+    gpu = dict(reports=tmp_path, gpu=h100)
+    assert not choose_compile(False, plan, "cuda", **gpu).on
+    assert choose_compile(True, plan, "cpu", reports=tmp_path).on
+    off = choose_compile("auto", plan, "cpu", reports=tmp_path)
     assert not off.on and "off on CPU" in off.line
-    missing = choose_compile("auto", plan, "cuda", h100, reports=tmp_path)
+    missing = choose_compile("auto", plan, "cuda", **gpu)
     assert not missing.on and "no make gpu-check figures for NVIDIA H100 80GB HBM3" in missing.line
     _gpu_check(tmp_path, h100, {"memtrain:full+offload": (100.0, 125.0), "memtrain:op": (100.0, 90.0)})
-    on = choose_compile("auto", plan, "cuda", h100, reports=tmp_path)  # this run's policy, full, measured faster
+    on = choose_compile("auto", plan, "cuda", **gpu)  # this run's policy, full, measured faster
     assert on.on and "full+offload 1.25x" in on.line
-    slower = choose_compile("auto", plan_for("op", 4, backend="torch"), "cuda", h100, reports=tmp_path)
+    slower = choose_compile("auto", plan_for("op", 4, backend="torch"), "cuda", **gpu)
     assert not slower.on and "op 0.90x" in slower.line
     # a policy gpu-check did not run: compiled must have been faster in every pair it measured
-    assert not choose_compile("auto", plan_for("every:2", 4, backend="torch"), "cuda", h100, reports=tmp_path).on
+    assert not choose_compile("auto", plan_for("every:2", 4, backend="torch"), "cuda", **gpu).on
+    # what true refuses, auto turns off, saying why
+    refused = choose_compile("auto", plan, "cuda", tp=2, **gpu)
+    assert not refused.on and "it cannot be combined with tensor_parallel.autotp_size 2" in refused.line
+    with pytest.raises(UserError, match="tensor_parallel.autotp_size 2"):
+        choose_compile(True, plan, "cuda", tp=2, **gpu)
 
 
 DS = str(ROOT / "ds_configs" / "zero3_ckpt.json")
@@ -139,8 +149,10 @@ DS = str(ROOT / "ds_configs" / "zero3_ckpt.json")
      2, "on activation_checkpointing.backend deepspeed"),
     (["--set", "parallel.sequence=2"], 2, "parallel.sequence 2"),
     (["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json")], 2, "tensor_parallel.autotp_size 2"),
-], ids=["modules", "sqrt-zero3", "deepspeed-sublayer", "ulysses", "autotp"])
-def test_what_cannot_compose_is_one_line_naming_its_key(argv, world, expected):
+    (["--deepspeed", "LEAF:[]"], 2, "the JSON's zero_optimization.leaf_module"),
+], ids=["modules", "sqrt-zero3", "deepspeed-sublayer", "ulysses", "autotp", "json-leaf-modules"])
+def test_what_cannot_compose_is_one_line_naming_its_key(tmp_path, argv, world, expected):
+    argv = [_leaf_json(tmp_path, a.removeprefix("LEAF:")) if a.startswith("LEAF:") else a for a in argv]
     args = parse_args(["--deepspeed", DS, *argv, "--set", "train.compile=true",
                        "--set", "activation_checkpointing.modules=[model.layers.*.mlp]"])
     with pytest.raises(UserError) as e:
@@ -150,12 +162,27 @@ def test_what_cannot_compose_is_one_line_naming_its_key(argv, world, expected):
     assert expected in message and "\n" not in message
 
 
+def _leaf_json(tmp_path, classes: str) -> str:
+    """ds_configs/zero3_ckpt.json with the JSON's own zero_optimization.leaf_module classes."""
+    raw = json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text())
+    raw["zero_optimization"]["leaf_module"] = {"classes": json.loads(classes)}
+    path = tmp_path / "leaf.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def test_a_json_that_makes_the_decoder_layer_its_leaf_compiles(tmp_path):
+    path = _leaf_json(tmp_path, '["LlamaDecoderLayer"]')
+    checked = check_run(parse_args(["--deepspeed", path, "--set", "train.compile=true"]), 2)
+    assert checked.compile.on and not checked.zero3.leaf_layers  # the JSON decided, and named the layer
+
+
 def test_a_sublayers_offload_cannot_compose():
     plan = plan_for("selective:mlp", 4, ds_config={"activation_checkpointing": {"cpu_checkpointing": True}},
                     backend="torch")
     assert plan.memtrain_offload
     with pytest.raises(UserError, match="cpu_checkpointing of a recomputed sublayer"):
-        choose_compile(True, plan, "cuda", "")
+        choose_compile(True, plan, "cuda")
 
 
 def test_the_plan_says_memory_is_predicted_for_eager_layers():

@@ -130,8 +130,9 @@ def test_stop_signal_during_start_up_ends_preempted_and_the_requeue_starts_clean
 def test_tensor_parallel_run_resumes_exactly(tmp_path):
     """AutoTP 2 on 2 ranks (ds_configs/zero3_tp2_ckpt.json): DeepSpeed names its ZeRO shards by data-parallel and
     model-parallel rank and records TP-local shapes; --resume finds the checkpoint intact, and steps 5-6 after it
-    equal a straight run's."""
-    ds = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json"), *FAST, "--set", "train.save_interval=2"]
+    equal a straight run's. Eager layers with attention dropout on: the RNG streams must come back too."""
+    ds = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json"), *FAST, "--set", "train.save_interval=2",
+          "--set", "model.config.attention_dropout=0.2"]
     straight = tmp_path / "straight"
     assert_ok(run_train([*ds, "--max-steps", "6", "--run-dir", str(straight)], nproc=2))
     stopped = cut_back(straight, tmp_path / "stopped", 4)

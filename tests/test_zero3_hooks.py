@@ -103,11 +103,10 @@ def test_compiled_layers_train_as_eager_ones_and_compile_only_in_the_warm_up(cas
     compiled, compiled1 = cases[key]
     eager, _ = cases[("leaf", *key[1:])]
     assert compiled["compile_line"].startswith("compile: each decoder layer's forward under torch.compile")
-    if key[2] == "deepspeed":  # DeepSpeed's checkpoint runs the compiled forward outside autograd's graph
-        assert compiled["compiles"] >= 1
-    else:  # every layer's backward is a compiled region's
-        assert compiled["compiled_nodes"] == 4
-    assert eager["compiled_nodes"] == 0
+    # a profiled step calls compiled code once per layer; DeepSpeed's reentrant checkpoint calls each layer's compiled
+    # forward again in its recompute (torch's checkpoint recomputes inside the compiled backward)
+    assert compiled["compiled_calls"] == (8 if key[2] == "deepspeed" else 4)
+    assert eager["compiled_calls"] == 0
     assert _max_diff(compiled["grads"], eager["grads"]) < 1e-5
     assert len(compiled["losses"]) == STEPS_COMPILED
     assert max(abs(a - b) for a, b in zip(compiled["losses"], eager["losses"])) < 1e-3

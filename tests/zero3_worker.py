@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from conftest import compiled_regions
+from conftest import compiled_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -76,7 +77,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     from memtrain.recompute.compiled import CompileWatch
     from memtrain.recompute.meter import ActivationMeter
     from memtrain.train.preflight import check_run
-    from memtrain.train.trainer import build_engine
+    from memtrain.train.trainer import COMPILE_WARMUP_STEPS, build_engine
     from memtrain.train.zero3_probe import Zero3Probe
 
     overrides = ["data.seq_len=32", "train.micro_batch_size=2", "data.random_tokens=true", "train.grad_clip=0",
@@ -96,26 +97,28 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
         before = {n: p.detach().clone() for n, p in frozen}
     probe = Zero3Probe(engine.module, list(decoder_layers(engine.module)[1])).__enter__()
     torch.manual_seed(100 + rank)
-    grads, losses = {}, []
+    grads, losses, compiled = {}, [], None
     try:
         for step in range(steps):
             ids = torch.randint(0, checked.config.vocab_size, (2, 32))
             meter = ActivationMeter()
-            with meter.measure() if step == 0 else contextlib.nullcontext():
-                loss = engine(input_ids=ids, labels=ids).loss
+            # step 1 profiled: calls into compiled code (after step 0 compiled), forward, recompute and backward
+            with profile(activities=[ProfilerActivity.CPU]) if step == 1 else contextlib.nullcontext() as prof:
+                with meter.measure() if step == 0 else contextlib.nullcontext():
+                    loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
             if step == 0:
                 activation_bytes = meter.bytes
+            if step == 1:
+                compiled = compiled_calls(prof)
             losses.append(loss.item())
-            if step == 0:
-                compiled_nodes = compiled_regions(loss)
-            engine.backward(loss)
             if step == 0:  # every rank takes part in the gather
                 full = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
                 if rank == 0:
                     grads = {n: g.flatten().tolist() for n, g in full.items() if g is not None}
             engine.step()
             probe.step_done(engine)
-            compiles.step_done(step, warmed_up=step >= 2)
+            compiles.step_done(step, warmed_up=step >= COMPILE_WARMUP_STEPS)
     finally:
         probe.__exit__(None, None, None)
     with deepspeed.zero.GatheredParameters([p for _, p in frozen]):
@@ -125,7 +128,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     return {"variant": variant, "policy": policy, "backend": backend, "plan_backend": plan.backend,
             "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads, "losses": losses,
             "compiles": compiles.compiles, "late_compiles": compiles.late, "compile_line": checked.compile.line,
-            "compiled_nodes": compiled_nodes, "activation_bytes": activation_bytes, "plan_layers": list(plan.layers),
+            "compiled_calls": compiled, "activation_bytes": activation_bytes, "plan_layers": list(plan.layers),
             "frozen": sorted(before), "frozen_changed": changed, "optimizer_numel": optimizer_numel,
             "trainable_line": next((line for line in checked.model_lines if line.startswith("trainable")), ""), "reference": reference}
 

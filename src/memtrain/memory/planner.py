@@ -23,7 +23,7 @@ among whole-layer modes and offload, which a DP over layers solves exactly in mi
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from memtrain.config.recompute_spec import RecomputeSpec
@@ -337,9 +337,4 @@ def predict_run(recipe, ds_config: dict, world_size: int, plan: ACPlan, config=N
 
     target = target or make_target(recipe, ds_config, world_size)
     config = config or model_and_config(recipe)
-    prediction = predict_plan(config, target, ds_config, plan)
-    if recipe.train.compile is not False:  # never an eager prediction passed off as a compiled run's
-        prediction = replace(prediction, notes=prediction.notes + (
-            "train.compile: predicted for eager layers; a compiled layer saves what its compiled backward reads "
-            "(often less), and the run's compile line says how far apart they are",))
-    return prediction
+    return predict_plan(config, target, ds_config, plan)

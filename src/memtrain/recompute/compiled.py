@@ -9,7 +9,8 @@ The compiled unit is the layer's `forward`, called through transformers' per-lay
 (`GradientCheckpointingLayer._gradient_checkpointing_func`); the layer's `__call__`, and with it ZeRO-3's
 gather and release hooks (`torch.compiler.disable`), stays outside. With the decoder layers as ZeRO-3 leaf
 modules (memtrain.config.zero3) no hook sits inside a layer, and its body compiles whole: one graph that every
-layer of the same shape shares (dynamo treats the layer as an input, so 22 layers compile once).
+layer of one kind shares (dynamo treats the layer as an input: a Llama's 22 layers compile once, Gemma-3's sliding
+and full-attention layers twice).
 
 What is traced stays apart from what runs eagerly around it: memtrain's activation offload packs the compiled
 function's saved inputs with saved-tensor hooks around the call; DeepSpeed's reentrant checkpoint runs the
@@ -86,6 +87,10 @@ class CompiledLayers:
 
     def __init__(self, op_save: tuple[str, ...]) -> None:
         _quiet_trace_warnings()
+        # dynamo gives up compiling a code object after `recompile_limit` variants (8) and runs it eager from then
+        # on. All layers share these functions: layer kinds x grad modes (DeepSpeed's checkpoint runs the forward
+        # without grad too) x the modes of a plan can pass 8 in a real run. One run per process: raised for it.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         context_fn = selective_trace_context_fn(op_save)
 
         def selective(function, *args):
@@ -103,10 +108,21 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+RECOMPILE_LIMIT = 64
+
+
+class _NoContextFnNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint under torch.compile" not in record.getMessage()
+
+
 def _quiet_trace_warnings() -> None:
-    """torch warns once per process that a checkpoint with a context_fn is traced (about in-place ops inside it:
-    transformers' layers have none); a clean run prints its plan, a bar and a summary."""
-    logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
+    """torch warns once per process that a checkpoint with a context_fn (mode op) is traced, about in-place ops in
+    the region; a clean run prints its plan, a bar and a summary. Only that notice is dropped: selective checkpoint
+    under compile keeps an in-place op's result as the graph computes it, which is what eager op recomputes."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _NoContextFnNotice) for f in logger.filters):
+        logger.addFilter(_NoContextFnNotice())
 
 
 # --------------------------------------------------------------------------- compiles, counted
@@ -117,34 +133,50 @@ def _metrics() -> list:
     return get_compilation_metrics()
 
 
+_KINDS = {"_forward": "a decoder layer", "_recompute": "a recomputed decoder layer",
+          "selective": "an op-level recomputed decoder layer"}
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
 class CompileWatch:
-    """dynamo's compiles in this process, read at a step's end on the host (no device sync): how many, and why each
-    one after the warm-up happened (dynamo's recompile reason, e.g. a size guard). A compiled region's backward is
-    compiled at its first backward and counts with its forward, not on its own."""
+    """dynamo's compiles in this process, read at a step's end on the host (no device sync): how many, the graph
+    breaks, and why each compile after the warm-up happened (dynamo's recompile reason, e.g. a size guard). A
+    compiled region's backward (compiled at its first backward) and a GPU kernel's autotuning at its first run count
+    with their forward, not on their own."""
 
     def __init__(self) -> None:
-        self._seen = {id(m) for m in _metrics()}
+        self._seen = list(_metrics())  # held, not their ids: dynamo keeps the last 64, and an id may come back
+        self._breaks = _graph_breaks()
         self.compiles = 0
+        self.graph_breaks = 0
         self.late: list[str] = []  # one line per compile after the warm-up, with its reason
 
     def step_done(self, step: int, warmed_up: bool) -> list[str]:
         """Compiles since the last call; after the warm-up, a warning line for each (returned)."""
-        fresh = [m for m in _metrics() if id(m) not in self._seen]
-        self._seen.update(id(m) for m in fresh)
-        frames = [m for m in fresh if getattr(m, "is_forward", None) is not False]
+        seen = {id(m) for m in self._seen}
+        fresh = [m for m in _metrics() if id(m) not in seen]
+        self._seen = (self._seen + fresh)[-256:]
+        frames = [m for m in fresh if getattr(m, "is_forward", None) is not False and not getattr(m, "is_runtime", False)]
         self.compiles += len(frames)
+        self.graph_breaks = _graph_breaks() - self._breaks
         lines = []
         for m in frames if warmed_up else ():
             reason = (getattr(m, "recompile_reason", None) or "a new code path").strip().splitlines()[0]
-            lines.append(f"torch.compile recompiled {getattr(m, 'co_name', None) or 'a layer'} at step {step + 1}, "
-                         f"after the warm-up ({reason}); each recompile costs seconds, and the shapes of a run "
-                         "should not change")
+            kind = _KINDS.get(getattr(m, "co_name", None) or "", "a function")
+            lines.append(f"torch.compile compiled {kind} again at step {step + 1}, after the warm-up ({reason}); each "
+                         "recompile costs seconds, and the shapes of a run should not change")
         self.late += lines
         return lines
 
 
 def compile_seconds() -> float:
-    """Seconds this process spent compiling, forward and backward (dynamo's own timers)."""
+    """Seconds this process spent compiling, forward and backward (dynamo's own timers; a GPU kernel's autotuning at
+    its first run is not in them)."""
     from torch._dynamo.utils import compilation_time_metrics
 
     return sum(sum(compilation_time_metrics.get(name, ())) for name in ("_compile.compile_inner",
@@ -157,9 +189,12 @@ def compile_line(watch: CompileWatch, measured: Optional[int] = None, planned: O
     late = len(watch.late)
     line = (f"compile: {watch.compiles} compile{'s' if watch.compiles != 1 else ''}, {compile_seconds():.1f} s "
             f"(forward and backward); {late} recompile{'s' if late != 1 else ''} after the warm-up")
+    if watch.graph_breaks:
+        line += (f"; {watch.graph_breaks} graph break{'s' if watch.graph_breaks != 1 else ''} (parts of a layer run "
+                 "eager: TORCH_LOGS=graph_breaks names them)")
     if measured is not None and planned:
-        line += (f"; activations saved per forward: {measured / 2**20:.2f} MiB compiled vs {planned / 2**20:.2f} MiB "
-                 f"planned for eager layers ({(measured - planned) / planned:+.0%})")
+        line += (f"; activations one forward saved, measured: {measured / 2**20:.2f} MiB, against the plan's "
+                 f"{planned / 2**20:.2f} MiB for eager layers ({(measured - planned) / planned:+.0%})")
     return line
 
 

@@ -10,7 +10,9 @@ from typing import Optional
 from memtrain.errors import UserError
 from memtrain.recompute.policy import ATTN, MLP, ACPlan
 
-GPU_CHECK_DIR = Path("reports/gpu")  # where `make gpu-check` writes <device>.json
+GPU_CHECK_DIR = Path("reports/gpu")  # where `make gpu-check` writes <device>.json (from the directory it runs in)
+EAGER_PREDICTION = ("train.compile: predicted for eager layers; a compiled layer saves what its compiled backward "
+                    "reads (often less), and the run's compile line says how far apart they are")
 
 
 @dataclass(frozen=True)
@@ -19,18 +21,27 @@ class CompileChoice:
     line: str = ""  # the plan line ("" when train.compile is false)
 
 
-def choose_compile(asked, plan: ACPlan, device: str, device_name: str, tp: int = 1, sequence: int = 1,
-                   leaf_layers: bool = True, stage: int = 3, reports: Path = GPU_CHECK_DIR) -> CompileChoice:
-    """train.compile (false | true | auto) for this run; a UserError naming the key where it cannot compose."""
+def choose_compile(asked, plan: ACPlan, device: str, tp: int = 1, sequence: int = 1, hooks_inside: bool = False,
+                   reports: Path = GPU_CHECK_DIR, gpu: Optional[str] = None) -> CompileChoice:
+    """train.compile (false | true | auto) for this run. true: a UserError naming the key where it cannot compose;
+    auto: off where it cannot, or where `make gpu-check` did not measure it faster on this device. `hooks_inside`:
+    ZeRO-3 hooks the decoder layers' submodules (no leaf layers). `gpu`: the device's name (default: CUDA's), read
+    for auto only."""
     if asked is False:
         return CompileChoice()
     why = ""
     if asked == "auto":
-        faster, why = measured_faster(plan.policy, device, device_name, reports)
+        faster, why = measured_faster(plan.policy, device, gpu if gpu is not None else device_name(device), reports)
+        if faster:
+            try:
+                check_composes(plan, tp, sequence, hooks_inside)
+            except UserError as e:
+                faster, why = False, str(e).removeprefix("train.compile: true cannot be combined with ")
+                why = f"it cannot be combined with {why}"
         if not faster:
             return CompileChoice(False, f"compile: off (train.compile auto: {why})")
         why = f" (train.compile auto: {why})"
-    check_composes(plan, tp, sequence, hooks_inside=stage == 3 and not leaf_layers)
+    check_composes(plan, tp, sequence, hooks_inside)
     how = "recompute traced inside (torchtitan's order)" if plan.backend == "torch" else \
         "inside DeepSpeed's eager checkpoint"
     return CompileChoice(True, f"compile: each decoder layer's forward under torch.compile, {how}{why}; memory is "
@@ -67,8 +78,16 @@ def check_composes(plan: ACPlan, tp: int, sequence: int, hooks_inside: bool = Fa
                         "attention through deepspeed.comm, which torch.compile does not trace")
 
 
-def _slug(name: str) -> str:
+def device_slug(name: str) -> str:
+    """A device name as a file name (`make gpu-check`'s reports/gpu/<slug>.json)."""
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+
+
+def leaf_names_layer(raw: dict, layer_class: type) -> bool:
+    """The JSON's own zero_optimization.leaf_module names the decoder-layer class (by name or qualified name)."""
+    leaf = (raw.get("zero_optimization") or {}).get("leaf_module")
+    classes = leaf.get("classes", []) if isinstance(leaf, dict) else []
+    return any(c in (layer_class.__name__, f"{layer_class.__module__}.{layer_class.__qualname__}") for c in classes)
 
 
 def measured_faster(policy: str, device: str, device_name: str, reports: Path = GPU_CHECK_DIR) -> tuple[bool, str]:
@@ -76,7 +95,7 @@ def measured_faster(policy: str, device: str, device_name: str, reports: Path = 
     set-ups eager (the one with this run's policy where it ran, else all of them), and why not."""
     if device != "cuda":
         return False, "off on CPU"
-    path = reports / f"{_slug(device_name)}.json"
+    path = reports / f"{device_slug(device_name)}.json"
     try:
         results = json.loads(path.read_text())["results"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -96,9 +115,9 @@ def measured_faster(policy: str, device: str, device_name: str, reports: Path = 
     return True, f"make gpu-check measured compiled vs eager on {device_name}: {ratios}"
 
 
-def device_name(device: str) -> Optional[str]:
+def device_name(device: str) -> str:
     if device != "cuda":
-        return None
+        return ""
     import torch
 
     return torch.cuda.get_device_name()

@@ -14,7 +14,7 @@ import difflib
 import json
 import sys
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,7 +38,7 @@ from memtrain.model.data import build_tokenizer, builder_for, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log
-from memtrain.train.compile_choice import CompileChoice, choose_compile, device_name
+from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile, leaf_names_layer
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
 from memtrain.config.zero3 import Zero3Layout, zero3_layout
@@ -398,9 +398,11 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
             plan = build_plan(spec, config.num_hidden_layers)
         check_plan_applies(model, plan)
         long_context.check(recipe, args.ds_config, config, world_size)
-        device = run_device()
-        compiled = choose_compile(recipe.train.compile, plan, device, device_name(device) or "", tp_size(args.ds_config),
-                                  recipe.parallel.sequence, zero3.leaf_layers, zero_stage(args.ds_config))
+        layer_class = type(decoder_layers(model)[1][0])
+        hooks_inside = zero_stage(args.ds_config) == 3 and not zero3.leaf_layers and \
+            not leaf_names_layer(args.ds_config, layer_class)
+        compiled = choose_compile(recipe.train.compile, plan, run_device(), tp_size(args.ds_config),
+                                  recipe.parallel.sequence, hooks_inside)
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
     check_tensor_parallel(args.ds_config, source, config, world_size)
@@ -424,6 +426,8 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     plan = with_expected_bytes(plan, config, recipe, resolved)
     prediction = memory_plan.prediction if memory_plan is not None else predict_run(
         recipe, args.ds_config, world_size, plan, config)
+    if compiled.on:  # never an eager prediction passed off as a compiled run's
+        prediction = replace(prediction, notes=prediction.notes + (EAGER_PREDICTION,))
     check_host_memory(prediction, world_size)
     warnings += _recipe_overrides(args.ds_config, source, recipe, world_size)
     warnings += [w for w in (ds_checks.build_notice(resolved),) if w]

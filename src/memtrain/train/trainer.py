@@ -199,6 +199,7 @@ class _Run:
     engine: Any
     longctx: Any
     layout: Any
+    compiled: bool  # train.compile, as rank 0 decided
 
 
 @dataclass
@@ -248,14 +249,15 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     _groups_wait_as_long_as_the_world(timeout)
     rank = dist.get_rank()
     agreement = signals.StopAgreement(world)  # a stop signal on any rank stops all within two steps
-    memory_plan = checked.memory_plan
-    if memory_plan is not None:
+    memory_plan, compiled = checked.memory_plan, checked.compile
+    if memory_plan is not None or t.compile == "auto":
         # policy auto: every rank planned on its own device (set above), but they must all run one
         # plan: rank 0's. Per-rank plans could differ by timing noise, and a rank that recomputes
-        # less than the others would be the one to run out of memory first.
-        shared = [plan, memory_plan]
+        # less than the others would be the one to run out of memory first. train.compile auto: each rank read
+        # its own node's gpu-check figures; all compile, or none, as rank 0 decided.
+        shared = [plan, memory_plan, compiled]
         dist.broadcast_object_list(shared, src=0)
-        plan, memory_plan = shared
+        plan, memory_plan, compiled = shared
     run_dir = _choose_run_dir(args)
     progress.run_dir = run_dir
     ds_log.buffer()  # DeepSpeed's own log: off the console, to run_dir/deepspeed.log below
@@ -273,8 +275,8 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
             print(f"  {line}", flush=True)
         for line in checked.model_lines:
             print(line, flush=True)
-        if checked.compile.line:
-            print(checked.compile.line, flush=True)
+        if compiled.line:
+            print(compiled.line, flush=True)
         if isinstance(data, PackedChat):  # what was packed, how full the rows are, what was skipped and why
             print(report_line(data.report, recipe.data), flush=True)
         if memory_plan is not None:
@@ -287,13 +289,13 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
 
     # --- model, AC hooks, engine
     engine, longctx, layout, number_changed = build_engine(recipe, config, plan, ds_config, args.ds_config, checked.spec,
-                                                           compiled=checked.compile.on)
+                                                           compiled=compiled.on)
     if rank == 0:
         print("\n".join(longctx.lines), flush=True)
         if number_changed:  # number_checkpoints "auto": the modules matched are known now
             _write_config(run_dir, args, ds_config, world, plan)
     return _Run(args, world, rank, checked, plan, memory_plan, run_dir, predicted_peak, data, agreement, engine,
-                longctx, layout)
+                longctx, layout, compiled.on)
 
 
 def _steps(run: _Run, progress: RunPosition) -> _Steps:
@@ -341,7 +343,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     timer.start()
     probe = _start_probe(engine) if t.probe else None
     deadline = StopDeadline(t.stop_deadline_s, t.metric_warmup_steps)
-    compiles = CompileWatch() if run.checked.compile.on else None
+    compiles = CompileWatch() if run.compiled else None
     for step in range(start, start if stop_signal else t.max_steps):
         measure = step == interval_start  # activation bytes of one forward per interval
         loss_sum = torch.zeros((), device=device)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.bench.setups import DEFAULT_SETUPS, HELP, parse_setup
 from memtrain.tools.bench.runner import Runner
+from memtrain.train.compile_choice import device_slug
 from memtrain.tools.bench.table import gpu_check_markdown, gpu_check_targets, markdown, targets
 
 DEFAULT_RECIPE = "recipes/llama-1b.yaml"
@@ -80,10 +80,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
-
-
 def gpu_check(args) -> None:
     from tqdm import tqdm
 
@@ -116,12 +112,12 @@ def gpu_check(args) -> None:
     print(report, flush=True)
     out = args.out or Path("reports/gpu")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{_slug(device)}.md").write_text(report + "\n")
-    (out / f"{_slug(device)}.json").write_text(json.dumps({"title": title, "results": results}, indent=2))
+    (out / f"{device_slug(device)}.md").write_text(report + "\n")
+    (out / f"{device_slug(device)}.json").write_text(json.dumps({"title": title, "results": results}, indent=2))
     failed = [r["setup"] for r in results if "tokens_per_s" not in r and not r.get("oom")]
     if failed:  # what those processes printed, to see why
         (out / "failed.log").write_text("\n\n".join(run.logs.get(name, "") for name in failed))
-    print(f"written: {out / (_slug(device) + '.md')}" + (f"; failed set-ups' output: {out / 'failed.log'}"
+    print(f"written: {out / (device_slug(device) + '.md')}" + (f"; failed set-ups' output: {out / 'failed.log'}"
                                                          if failed else ""), flush=True)
     shutil.rmtree(run.tmp, ignore_errors=True)
 
@@ -137,8 +133,8 @@ def gpu_check(args) -> None:
     long_results = run_long_part(make_runner, tqdm.write)
     long_report = f"## memtrain gpu-check, long sequences, on 1 x {device}\n\n" + long_part_markdown(long_results)
     print(long_report, flush=True)
-    (out / f"{_slug(device)}-long.md").write_text(long_report + "\n")
-    (out / f"{_slug(device)}-long.json").write_text(json.dumps({"results": long_results}, indent=2))
+    (out / f"{device_slug(device)}-long.md").write_text(long_report + "\n")
+    (out / f"{device_slug(device)}-long.json").write_text(json.dumps({"results": long_results}, indent=2))
     for r in runners:
         shutil.rmtree(r.tmp, ignore_errors=True)
 
