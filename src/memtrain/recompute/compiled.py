@@ -22,6 +22,7 @@ a warning that names it (`CompileWatch`), than switch to slower dynamic kernels.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -42,36 +43,39 @@ def _recompute(function, *args):
     return checkpoint(function, *args, use_reentrant=False)
 
 
-def selective_trace_context_fn(entries) -> Callable:
-    """`context_fn` for a selective checkpoint that torch.compile traces: the rules of eager mode op
-    (memtrain.recompute.hooks.op_context_fn), decided once, in forward order, while the layer is traced. 'but-last' needs nothing here:
-    AOTAutograd's partitioner saves only what the compiled backward reads, and an output that only feeds
-    additions is not read."""
+def _selective_contexts(entries: tuple[str, ...]):
+    """The selective-checkpoint contexts of one traced region: the rules of eager mode op
+    (memtrain.recompute.hooks.op_context_fn), decided once, in forward order, while the layer is traced. 'but-last'
+    needs nothing here: AOTAutograd's partitioner saves only what the compiled backward reads, and an output that
+    only feeds additions is not read."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     rules = op_rules(entries)
+    # the trace asks in the forward and again in the recompute, whose count must start where the forward's did
+    counts = {False: [0] * len(rules), True: [0] * len(rules)}
 
-    def context_fn():
-        # the trace asks in the forward and again in the recompute, whose count must start where the forward's did
-        counts = {False: [0] * len(rules), True: [0] * len(rules)}
-
-        def policy(ctx, func, *args, **kwargs):
-            if draws_random(func, args, kwargs):
-                return CheckpointPolicy.PREFER_RECOMPUTE
-            for i, (ops, every, _) in enumerate(rules):
-                if func in ops:
-                    counted = counts[bool(getattr(ctx, "is_recompute", False))]
-                    counted[i] += 1
-                    return CheckpointPolicy.MUST_SAVE if (counted[i] - 1) % every == 0 \
-                        else CheckpointPolicy.PREFER_RECOMPUTE
+    def policy(ctx, func, *args, **kwargs):
+        if draws_random(func, args, kwargs):
             return CheckpointPolicy.PREFER_RECOMPUTE
+        for i, (ops, every, _) in enumerate(rules):
+            if func in ops:
+                counted = counts[bool(getattr(ctx, "is_recompute", False))]
+                counted[i] += 1
+                return CheckpointPolicy.MUST_SAVE if (counted[i] - 1) % every == 0 \
+                    else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
-        return create_selective_checkpoint_contexts(policy)
+    return create_selective_checkpoint_contexts(policy)
 
+
+def selective_trace_context_fn(entries) -> Callable:
+    """`context_fn` for a selective checkpoint that torch.compile traces, with the save list `entries`. A partial of
+    a module-level function: dynamo takes it as a constant, and inductor's cache can pickle it."""
+    context_fn = functools.partial(_selective_contexts, tuple(entries))
     # AOTAutograd's on-disk cache keys the region by it: the save list, and this code (an edit must not reuse
     # graphs compiled with other decisions)
-    code = "".join(inspect.getsource(f) for f in (selective_trace_context_fn, op_rules, draws_random))
-    context_fn.cache_hash = hashlib.sha256(f"{code}{entries!r}".encode()).hexdigest()
+    code = "".join(inspect.getsource(f) for f in (_selective_contexts, op_rules, draws_random))
+    context_fn.cache_hash = hashlib.sha256(f"{code}{tuple(entries)!r}".encode()).hexdigest()
     return context_fn
 
 
