@@ -78,6 +78,28 @@ def test_compiled_layers_give_eager_gradients(base, policy, backend):
         assert torch.allclose(grads_c[name], g, rtol=1e-4, atol=1e-6), name
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's GPU random numbers)"))])
+def test_the_compiled_recompute_draws_the_forwards_dropout_masks(small_llama, device):
+    """Attention dropout on: a layer recomputed inside the compiled backward must draw the masks its forward drew
+    (inductor replays the forward's seeds), so compiled full recompute gives compiled no-recompute's gradients."""
+    model = copy.deepcopy(small_llama).to(device)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.2
+    grads = {}
+    for policy in ("none", "full"):
+        plan = plan_for(policy, 4, backend="torch")
+        compiled = copy.deepcopy(model)
+        apply_plan(compiled, plan, CompiledLayers(plan.op_save))
+        for seed in (5, 6):
+            torch.manual_seed(seed)
+            grads[policy, seed] = _step(compiled, _ids().to(device))[1]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(grads["none", 5][name], grads["none", 6][name])  # dropout draws: seeds differ
+    for name, g in grads["none", 5].items():
+        assert torch.allclose(grads["full", 5][name], g, rtol=1e-5, atol=1e-7), name
+
+
 def test_compiled_bf16_layers_give_eager_gradients_within_bf16_tolerance(base):
     """bf16 (a GPU run's dtype): inductor keeps elementwise chains in fp32 and rounds once, so compiled and eager
     differ by bf16 rounding (measured 1.8% at most, relative, per parameter), not more."""
