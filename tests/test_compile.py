@@ -100,6 +100,30 @@ def test_the_compiled_recompute_draws_the_forwards_dropout_masks(small_llama, de
         assert torch.allclose(grads["full", 5][name], g, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "mixtral"])
+def test_compiled_families_give_eager_gradients(family):
+    """Gemma-3's sliding and full-attention layers (one graph per kind: 2 compiles), Mixtral's routed experts: the
+    layers compile without a graph break and give eager's gradients (all 18 families: docs/compile.md)."""
+    from families import FAMILIES
+    from memtrain.config.recipe import ModelSection
+    from memtrain.model.build import build_config, build_model
+
+    section = ModelSection(type=family, config=FAMILIES[family])
+    torch.manual_seed(0)
+    model = build_model(section, build_config(section, vocab_size=257, seq_len=32)).train()
+    plan = plan_for("full", 4, backend="torch")
+    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    apply_plan(eager, plan)
+    apply_plan(compiled, plan, CompiledLayers(plan.op_save))
+    watch = CompileWatch()
+    _, grads_e, _, _ = _step(eager, _ids())
+    _, grads_c, _, calls = _step(compiled, _ids())
+    watch.step_done(0, warmed_up=False)
+    assert calls == 4 and watch.compiles == (2 if family == "gemma3_text" else 1) and watch.graph_breaks == 0
+    for name, g in grads_e.items():
+        assert torch.allclose(grads_c[name], g, rtol=1e-4, atol=1e-6), name
+
+
 def test_compiled_bf16_layers_give_eager_gradients_within_bf16_tolerance(base):
     """bf16 (a GPU run's dtype): inductor keeps elementwise chains in fp32 and rounds once, so compiled and eager
     differ by bf16 rounding (measured 1.8% at most, relative, per parameter), not more."""
