@@ -100,10 +100,10 @@ def test_the_compiled_recompute_draws_the_forwards_dropout_masks(small_llama, de
         assert torch.allclose(grads["full", 5][name], g, rtol=1e-5, atol=1e-7), name
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mixtral"])
+@pytest.mark.parametrize("family", ["gemma3_text"])
 def test_compiled_families_give_eager_gradients(family):
-    """Gemma-3's sliding and full-attention layers (one graph per kind: 2 compiles), Mixtral's routed experts: the
-    layers compile without a graph break and give eager's gradients (all 18 families: docs/compile.md)."""
+    """Gemma-3's sliding and full-attention layers (one graph per kind: 2 compiles) compile without a graph break
+    and give eager's gradients (all 18 families, measured once: docs/compile.md)."""
     from families import FAMILIES
     from memtrain.config.recipe import ModelSection
     from memtrain.model.build import build_config, build_model
@@ -119,7 +119,7 @@ def test_compiled_families_give_eager_gradients(family):
     _, grads_e, _, _ = _step(eager, _ids())
     _, grads_c, _, calls = _step(compiled, _ids())
     watch.step_done(0, warmed_up=False)
-    assert calls == 4 and watch.compiles == (2 if family == "gemma3_text" else 1) and watch.graph_breaks == 0
+    assert calls == 4 and watch.compiles == 2 and watch.graph_breaks == 0
     for name, g in grads_e.items():
         assert torch.allclose(grads_c[name], g, rtol=1e-4, atol=1e-6), name
 
