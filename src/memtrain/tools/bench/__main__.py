@@ -69,57 +69,79 @@ def double_until_oom(fits: Callable[[int], bool], start: int, limit: int = SEARC
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m memtrain.tools.bench", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"shape to measure (default: {DEFAULT_RECIPE})")
-    p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated: {HELP}")
+    p.add_argument("--setups", default=None, help=f"comma-separated: {HELP} (default: make bench's "
+                   f"{','.join(DEFAULT_SETUPS)}; with --gpu-check: all of its set-ups, in its order)")
     p.add_argument("--deepspeed", default="ds_configs/zero3_ckpt.json", metavar="JSON",
                    help="DeepSpeed JSON for the trainer set-ups")
     p.add_argument("--steps", type=int, default=10, help="measured steps after warm-up (default 10)")
     p.add_argument("--no-search", action="store_true", help="skip the largest-micro-batch probes")
     p.add_argument("--gpu-check", action="store_true", help="the fixed GPU acceptance run (see the module doc)")
+    p.add_argument("--no-long", action="store_true", help="with --gpu-check: skip the long-sequence part")
     p.add_argument("--out", type=Path, default=None, help="where the table and JSON go "
                    "(default reports/bench, or reports/gpu with --gpu-check)")
     return p
 
 
+def setup_names(text: str) -> list[str]:
+    """`--setups`' names, each checked (a typo fails before anything runs)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        parse_setup(name)
+    return names
+
+
+def write_gpu_check(out: Path, device: str, title: str, results: list[dict], logs: dict[str, str]) -> str:
+    """reports/gpu/<device>.{md,json} (and failed.log) from the set-ups measured so far: written after each
+    set-up, so a run cut short keeps what it measured and `train.compile: auto` can read it at once."""
+    report = "\n".join([f"## {title}", "", gpu_check_markdown(results), "", "Targets (each a ratio measured in this run):",
+                        *gpu_check_targets(results)])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{device_slug(device)}.md").write_text(report + "\n")
+    (out / f"{device_slug(device)}.json").write_text(json.dumps({"title": title, "results": results}, indent=2))
+    failed = [r["setup"] for r in results if "tokens_per_s" not in r and not r.get("oom") and r["setup"] in logs]
+    if failed:  # what those processes printed, to see why
+        (out / "failed.log").write_text("\n\n".join(logs[name] for name in failed))
+    return report
+
+
 def gpu_check(args) -> None:
     from tqdm import tqdm
 
+    names = setup_names(args.setups) if args.setups else list(GPU_CHECK_SETUPS)
     if not torch.cuda.is_available():
         print("memtrain gpu-check: no CUDA GPU on this machine; nothing measured (run it where a GPU is).", flush=True)
         return
     ngpus = torch.cuda.device_count()
     device = torch.cuda.get_device_name()
     run = Runner(DEFAULT_RECIPE, [], args.deepspeed, GPU_CHECK_STEPS, GPU_CHECK_WARMUP, ngpus)
-    results = []
-    bar = tqdm(GPU_CHECK_SETUPS, desc="gpu-check", unit="setup")
+    title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) on {ngpus} x {device}"
+    out = args.out or Path("reports/gpu")
+    results: list[dict] = []
+    (out / "failed.log").unlink(missing_ok=True)  # an earlier run's
+    bar = tqdm(names, desc="gpu-check", unit="setup")
     for name in bar:
         bar.set_postfix(setup=name)
         extra: tuple[str, ...] = ()
-        if name in ("memtrain:auto", "memtrain:auto+compile"):
-            plain = next((r for r in results if r["setup"] == "torch:noac" and r.get("peak_gib")), None)
-            if plain is None:
-                results.append({"setup": name, "label": parse_setup(name).label, "micro_batch": run.micro_batch,
-                                "error": "no budget: torch:noac has no measured peak"})
-                continue
-            extra = (f"activation_checkpointing.memory_budget={plain['peak_gib'] / 2:.3f}",)
-        result = run(name, extra=extra)
-        if extra:
-            result["label"] += f", budget {extra[0].split('=')[1]} GiB (half of plain no-AC's peak)"
+        plain = next((r for r in results if r["setup"] == "torch:noac" and r.get("peak_gib")), None)
+        if name in ("memtrain:auto", "memtrain:auto+compile") and plain is None:
+            result = {"setup": name, "label": parse_setup(name).label, "micro_batch": run.micro_batch,
+                      "error": "no budget: torch:noac has no measured peak (run it first)"}
+        else:
+            if name in ("memtrain:auto", "memtrain:auto+compile"):
+                extra = (f"activation_checkpointing.memory_budget={plain['peak_gib'] / 2:.3f}",)
+            result = run(name, extra=extra)
+            if extra:
+                result["label"] += f", budget {extra[0].split('=')[1]} GiB (half of plain no-AC's peak)"
         results.append(result)
         tqdm.write(json.dumps(result))
-    title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) on {ngpus} x {device}"
-    report = "\n".join([f"## {title}", "", gpu_check_markdown(results), "", "Targets (each a ratio measured in this run):",
-                        *gpu_check_targets(results)])
-    print(report, flush=True)
-    out = args.out or Path("reports/gpu")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{device_slug(device)}.md").write_text(report + "\n")
-    (out / f"{device_slug(device)}.json").write_text(json.dumps({"title": title, "results": results}, indent=2))
-    failed = [r["setup"] for r in results if "tokens_per_s" not in r and not r.get("oom")]
-    if failed:  # what those processes printed, to see why
-        (out / "failed.log").write_text("\n\n".join(run.logs.get(name, "") for name in failed))
+        write_gpu_check(out, device, title, results, run.logs)
+    print(write_gpu_check(out, device, title, results, run.logs), flush=True)
+    failed = (out / "failed.log").exists()
     print(f"written: {out / (device_slug(device) + '.md')}" + (f"; failed set-ups' output: {out / 'failed.log'}"
                                                          if failed else ""), flush=True)
     shutil.rmtree(run.tmp, ignore_errors=True)
+    if args.no_long:
+        return
 
     # long sequences on one GPU (memtrain.tools.bench.long_seq)
     from memtrain.tools.bench.long_seq import long_part_markdown, run_long_part
@@ -146,9 +168,7 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if args.gpu_check:
         return gpu_check(args)
-    names = [n.strip() for n in args.setups.split(",") if n.strip()]
-    for name in names:
-        parse_setup(name)  # fail on a typo before anything runs
+    names = setup_names(args.setups or ",".join(DEFAULT_SETUPS))
     if args.steps < 1:
         raise UserError("--steps: must be at least 1")
     recipe = load_recipe(args.recipe)  # checked on CPU too, where the smoke pass uses the tiny recipe
