@@ -26,7 +26,7 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 RECIPE_ARG := $(if $(RECIPE),--recipe $(RECIPE),)
 
-.PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host gpu-check plan explain
+.PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host gpu-check gpu-wheels plan explain
 
 setup: $(VENV)/.installed
 
@@ -95,6 +95,23 @@ bench-host: setup
 ## qwen2-1.5b-long at 1M, fused vs standard at 8K) -> reports/gpu/<device>-long.md; without a GPU: one line, exit 0
 gpu-check: setup
 	$(BIN)/python -m memtrain gpu-check $(ARGS)
+
+## gpu-wheels: .whl/ holds what a GPU image with its own CUDA torch (>= 2.11) lacks, at requirements.lock's pins:
+## DeepSpeed (a pure-python wheel; ops JIT-build there), datasets, transformers and their missing dependencies, for
+## CPython 3.12 (WHEEL_PY). On the GPU machine: pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+## && PYTHONPATH=$$PWD/src:/tmp/site python3 -m memtrain.tools.bench --gpu-check (docs/offload-and-benchmarks.md)
+WHEEL_PY ?= 3.12
+GPU_WHEELS := datasets transformers hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions \
+              dill multiprocess
+gpu-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	DS_BUILD_OPS=0 $(BIN)/pip wheel -q --disable-pip-version-check --no-deps -w .whl \
+	  $$(grep -i '^deepspeed==' requirements.lock)
+	$(BIN)/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version $(WHEEL_PY) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl \
+	  $$(for p in $(GPU_WHEELS); do grep -i "^$$p==" requirements.lock; done)
+	@ls .whl && du -sh .whl
 
 ## test: the whole suite (CPU)
 test: setup

@@ -81,8 +81,17 @@ def _peak(fn, *track):
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+@pytest.fixture(params=["torch", "chunked"])
+def fused_backend(request, monkeypatch):
+    """The fused loss through torch's linear_cross_entropy, and through memtrain.model.chunked_ce as on torch < 2.13
+    (where F has no linear_cross_entropy)."""
+    if request.param == "chunked":
+        monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy")
+    return request.param
+
+
 @pytest.mark.parametrize("tied", [False, True])
-def test_fused_loss_equals_hf_standard(tied):
+def test_fused_loss_equals_hf_standard(tied, fused_backend):
     """fused vs HF's own lm_head + ForCausalLMLoss: loss and every gradient, with ignored labels."""
     ref = _llama(tied=tied)
     fused = copy.deepcopy(ref)
@@ -100,7 +109,7 @@ def test_fused_loss_equals_hf_standard(tied):
     assert (fused.get_output_embeddings().weight is fused.get_input_embeddings().weight) == tied
 
 
-def test_fused_loss_peak_at_32k_vocab_is_under_an_eighth():
+def test_fused_loss_peak_at_32k_vocab_is_under_an_eighth(fused_backend):
     """A whole forward+backward of a small model with a 32,000-token vocabulary (2,048 tokens):
     MemTracker's peak with fused is <= 1/8 of standard's (HF's own forward)."""
     standard = _llama(vocab=32000, layers=1)
@@ -111,6 +120,46 @@ def test_fused_loss_peak_at_32k_vocab_is_under_an_eighth():
     for name, model in (("standard", standard), ("fused", fused)):
         peaks[name] = _peak(lambda: model(input_ids=ids, labels=ids).loss.backward(), model)
     assert peaks["fused"] * 8 <= peaks["standard"], peaks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_linear_cross_entropy_equals_reference(dtype):
+    """memtrain.model.chunked_ce (torch < 2.13's fused loss) in several chunks vs F.linear + F.cross_entropy in
+    float64: the summed loss and the gradients of hidden states, weight and bias, with ignored labels; and no
+    tensor as large as the full logits is ever made."""
+    from memtrain.model.chunked_ce import linear_cross_entropy_sum
+
+    torch.manual_seed(0)
+    n, h, v = 300, 16, 257
+    hidden = torch.randn(n, h, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(v, h) / 4).to(dtype).requires_grad_()
+    bias = torch.randn(v, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    labels[::7] = -100
+    ref = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    loss_ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(*ref), labels, reduction="sum")
+    (loss_ref * 0.5).backward()
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    with Largest():
+        loss = linear_cross_entropy_sum(hidden, weight, labels, bias=bias, chunk=64)
+        (loss * 0.5).backward()
+    assert Largest.numel <= 64 * v < n * v
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert abs(loss.item() - loss_ref.item()) <= tol * abs(loss_ref.item())
+    for mine, theirs in zip((hidden, weight, bias), ref):
+        assert mine.grad.dtype == dtype
+        err = (mine.grad.double() - theirs.grad).norm() / theirs.grad.norm()
+        assert err < tol, (mine.shape, float(err))
 
 
 def test_tiled_mlp_same_gradients_lower_peak():

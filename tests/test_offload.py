@@ -456,6 +456,32 @@ def test_bench_setups_search_and_table():
     assert "deepspeed:cpu-ckpt / memtrain:full (DeepSpeed's own offload, for reference): not measured" in goals
 
 
+def test_gpu_check_writes_after_each_set_up_and_stops_when_the_trainer_is_broken(tmp_path):
+    """What an H100 run of 2026-11-25 returned (torch 2.11 image, before memtrain ran there): the peers measured,
+    every trainer set-up failing alike. The report and JSON exist after any set-up; two trainer set-ups that fail
+    the same way stop the run; an OOM or a different failure does not."""
+    from memtrain.tools.bench.__main__ import same_failure_twice, write_gpu_check
+
+    broken = "AttributeError: module 'torch.nn.functional' has no attribute 'linear_cross_entropy'"
+    noac = {"setup": "torch:noac", "label": "plain", "micro_batch": 8, "wall_s": 48.0, "tokens_per_s": 43996.0,
+            "peak_gib": 56.6}
+    fail = lambda name, error=broken, **kw: {"setup": name, "label": name, "micro_batch": 8, "wall_s": 18.0,  # noqa: E731
+                                             "oom": False, "error": error, **kw}
+    results = [noac, fail("memtrain:full+offload")]
+    assert not same_failure_twice(results)
+    write_gpu_check(tmp_path, "NVIDIA H100 80GB HBM3", "t", results, {"memtrain:full+offload": "the log"})
+    written = json.loads((tmp_path / "NVIDIA-H100-80GB-HBM3.json").read_text())["results"]
+    assert [r["setup"] for r in written] == ["torch:noac", "memtrain:full+offload"]
+    assert (tmp_path / "failed.log").read_text() == "the log"
+    assert "| torch:noac | plain |  | 8 | 43,996 | 1.00 | 56.60 |" in (tmp_path / "NVIDIA-H100-80GB-HBM3.md").read_text()
+    assert same_failure_twice([*results, {"setup": "torch:hf-ac", "label": "", "micro_batch": 8, "wall_s": 46.0,
+                                          "tokens_per_s": 35067.0}, fail("memtrain:op")])
+    assert not same_failure_twice([*results, fail("memtrain:op", "another error")])
+    assert not same_failure_twice([*results, fail("memtrain:op", oom=True)])
+    no_budget = {"setup": "memtrain:auto", "label": "", "micro_batch": 8, "error": broken}  # never started
+    assert not same_failure_twice([fail("memtrain:full"), no_budget])
+
+
 def test_bench_host_counts_zero3_work_beside_plain_pytorch(tmp_path):
     """make bench-host: the trainer with train.probe and the plain peer in one run, each pinned to one core;
     the report carries the counters (no fetch inside memtrain's recompute) and the plot."""

@@ -213,13 +213,17 @@ def _register_flop_formulas() -> None:
     # by offs -> (S, n) forward; its backward computes the input's and the weights' gradients, twice that
     import transformers.integrations.moe  # noqa: F401  (defines the transformers:: ops)
 
+    # Which of them exist depends on the torch/transformers pair (the GPU image's torch 2.11 has neither the
+    # backward op nor, on some builds, the forward one): count those that are there.
     ops = torch.ops.transformers
-    if ops.grouped_mm_fallback not in flop_registry:
-        @register_flop_formula(ops.grouped_mm_fallback)
+    forward, backward = (getattr(ops, name, None) for name in ("grouped_mm_fallback", "grouped_mm_fallback_backward"))
+    if forward is not None and forward not in flop_registry:
+        @register_flop_formula(forward)
         def _fallback_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
             return 2 * a_shape[0] * a_shape[1] * b_shape[2]
 
-        @register_flop_formula(ops.grouped_mm_fallback_backward)
+    if backward is not None and backward not in flop_registry:
+        @register_flop_formula(backward)
         def _fallback_backward_flop(a_shape, b_shape, offs_shape, grad_shape, *args, out_shape=None, **kwargs) -> int:
             return 4 * a_shape[0] * a_shape[1] * b_shape[2]
 

@@ -1,7 +1,8 @@
 """The causal-LM loss: `train.loss: fused` (never holds the full fp32 logits) or `standard` (HF's own).
 
 `fused` computes lm_head and cross-entropy together with torch's
-`torch.nn.functional.linear_cross_entropy` (torch >= 2.13), which walks the tokens in chunks and
+`torch.nn.functional.linear_cross_entropy` (torch >= 2.13; on older torch memtrain.model.chunked_ce,
+the same algorithm), which walks the tokens in chunks and
 never materialises the (tokens x vocab) logits nor their gradient. The call runs inside the
 lm_head module's own forward, so under ZeRO-3 DeepSpeed's module hooks gather the partitioned
 weight for it exactly as they do for the standard `lm_head(hidden)` (and release it after);
@@ -26,6 +27,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from memtrain.model.chunked_ce import linear_cross_entropy_sum
 
 IGNORE_INDEX = -100
 
@@ -52,6 +55,9 @@ def _head_forward(self: nn.Linear, hidden: torch.Tensor, shift_labels: Optional[
     labelled tokens, computed in chunks. Runs inside the module call, so ZeRO-3 has gathered weight."""
     if shift_labels is None:
         return F.linear(hidden, self.weight, self.bias)
+    if not hasattr(F, "linear_cross_entropy"):  # torch < 2.13: memtrain's chunked version of the same algorithm
+        return linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), self.weight, shift_labels.reshape(-1),
+                                        bias=self.bias, ignore_index=IGNORE_INDEX)
     return F.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.weight, shift_labels.reshape(-1),
                                   linear_bias=self.bias, reduction="sum", ignore_index=IGNORE_INDEX,
                                   options=torch.nn.LinearCrossEntropyOptions())

@@ -104,6 +104,13 @@ def write_gpu_check(out: Path, device: str, title: str, results: list[dict], log
     return report
 
 
+def same_failure_twice(results: list[dict]) -> bool:
+    """Whether the last two trainer set-ups that ran failed (not out of memory) with the same error."""
+    ran = [r for r in results if r["setup"].startswith(("memtrain:", "deepspeed:")) and "wall_s" in r][-2:]
+    return (len(ran) == 2 and all(r.get("error") and not r.get("oom") for r in ran)
+            and ran[0]["error"] == ran[1]["error"])
+
+
 def gpu_check(args) -> None:
     from tqdm import tqdm
 
@@ -135,6 +142,9 @@ def gpu_check(args) -> None:
         results.append(result)
         tqdm.write(json.dumps(result))
         write_gpu_check(out, device, title, results, run.logs)
+        if same_failure_twice(results):  # the trainer itself is broken here: stop before spending the GPU's time
+            tqdm.write(f"gpu-check: stopped: two trainer set-ups in a row failed the same way: {result['error']}")
+            break
     print(write_gpu_check(out, device, title, results, run.logs), flush=True)
     failed = (out / "failed.log").exists()
     print(f"written: {out / (device_slug(device) + '.md')}" + (f"; failed set-ups' output: {out / 'failed.log'}"
