@@ -276,6 +276,8 @@ def test_policies_under_zero3_match_no_recompute(zero3_runs, name):
     assert act < act_none
 
 
+@pytest.mark.skipif(getattr(torch.utils.checkpoint, "_RECOMPUTE", None) is None,
+                    reason="'but-last' edits torch 2.13's selective-checkpoint storage; older torch keeps every matmul")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_op_default_does_not_keep_the_last_matmul(family):
     """op's default save list is matmul/but-last: each layer's last matmul (down_proj / c_proj) feeds only the
