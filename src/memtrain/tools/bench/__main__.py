@@ -124,6 +124,7 @@ def gpu_check(args) -> None:
     title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) on {ngpus} x {device}"
     out = args.out or Path("reports/gpu")
     results: list[dict] = []
+    stopped = False
     (out / "failed.log").unlink(missing_ok=True)  # an earlier run's
     bar = tqdm(names, desc="gpu-check", unit="setup")
     for name in bar:
@@ -142,7 +143,8 @@ def gpu_check(args) -> None:
         results.append(result)
         tqdm.write(json.dumps(result))
         write_gpu_check(out, device, title, results, run.logs)
-        if same_failure_twice(results):  # the trainer itself is broken here: stop before spending the GPU's time
+        stopped = same_failure_twice(results)
+        if stopped:  # the trainer itself is broken here: stop before spending the GPU's time
             tqdm.write(f"gpu-check: stopped: two trainer set-ups in a row failed the same way: {result['error']}")
             break
     print(write_gpu_check(out, device, title, results, run.logs), flush=True)
@@ -150,6 +152,8 @@ def gpu_check(args) -> None:
     print(f"written: {out / (device_slug(device) + '.md')}" + (f"; failed set-ups' output: {out / 'failed.log'}"
                                                          if failed else ""), flush=True)
     shutil.rmtree(run.tmp, ignore_errors=True)
+    if stopped:
+        sys.exit(1)
     if args.no_long:
         return
 
