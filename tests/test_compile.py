@@ -199,6 +199,25 @@ def test_compile_auto_follows_the_devices_gpu_check(tmp_path):
         choose_compile(True, plan, "cuda", tp=2, **gpu)
 
 
+def test_compile_refuses_sharded_parameters_on_a_torch_that_keeps_the_gathered_weights(monkeypatch, tmp_path):
+    """torch 2.11's compiled layers keep ZeRO-3's gathered weights (measured: tests/test_zero3_hooks.py's activation
+    check fails there): true is refused in one line where ZeRO-3 shards the parameters, auto turns off; resident
+    parameters (one data-parallel rank) compile on any torch."""
+    from memtrain.train.compile_choice import keeps_gathered_weights
+
+    assert keeps_gathered_weights("2.11.0+cu130") and keeps_gathered_weights("2.12.1")
+    assert not keeps_gathered_weights("2.13.0+cpu") and not keeps_gathered_weights()  # this suite's pinned torch
+    plan = plan_for("full", 4, backend="torch")
+    assert choose_compile(True, plan, "cuda", sharded=True, reports=tmp_path, gpu="x").on
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(UserError, match="ZeRO-3's sharded parameters on torch 2.11.0"):
+        choose_compile(True, plan, "cuda", sharded=True, reports=tmp_path, gpu="x")
+    assert choose_compile(True, plan, "cuda", sharded=False, reports=tmp_path, gpu="x").on
+    _gpu_check(tmp_path, "x", {"memtrain:full+offload": (100.0, 125.0)})
+    off = choose_compile("auto", plan, "cuda", sharded=True, reports=tmp_path, gpu="x")
+    assert not off.on and "sharded parameters" in off.line
+
+
 DS = str(ROOT / "ds_configs" / "zero3_ckpt.json")
 
 

@@ -99,7 +99,8 @@ def test_gradients_equal_hooked_run_and_no_recompute(cases, policy):
 @pytest.mark.parametrize("key", [("compiled", p, b) for p, b in COMPILED], ids=lambda k: "-".join(k[1:]))
 def test_compiled_layers_train_as_eager_ones_and_compile_only_in_the_warm_up(cases, key):
     """train.compile under ZeRO-3 on 2 ranks with leaf layers: the first backward's gradients and 4 steps' losses
-    equal the eager run's; from the third step on nothing compiles; the recompute fetches nothing, as eager."""
+    equal the eager run's; from the third step on nothing compiles; the recompute fetches nothing, as eager; the
+    activations kept are eager's."""
     compiled, compiled1 = cases[key]
     eager, _ = cases[("leaf", *key[1:])]
     assert compiled["compile_line"].startswith("compile: each decoder layer's forward under torch.compile")
@@ -111,6 +112,10 @@ def test_compiled_layers_train_as_eager_ones_and_compile_only_in_the_warm_up(cas
     assert len(compiled["losses"]) == STEPS_COMPILED
     assert max(abs(a - b) for a, b in zip(compiled["losses"], eager["losses"])) < 1e-3
     assert compiled["late_compiles"] == [] and compiled1["late_compiles"] == []
+    # what the compiled layers keep for the backward is the eager layers' (within 10%): no gathered weight among it
+    # (torch 2.11's compiled layers keep every layer's gathered weights: 5x here; train.compile refuses that torch)
+    assert compiled["activation_bytes"] <= 1.1 * eager["activation_bytes"], (compiled["activation_bytes"],
+                                                                              eager["activation_bytes"])
     for step, base in zip(compiled["steps"][STEADY:], eager["steps"][STEADY:]):
         assert step["fetches"] == base["fetches"] and step["fetches"]["recompute"] == 0
         assert step["all_gather_bytes"] == base["all_gather_bytes"]

@@ -402,7 +402,8 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         hooks_inside = zero_stage(args.ds_config) == 3 and not zero3.leaf_layers and \
             not leaf_names_layer(args.ds_config, layer_class)
         compiled = choose_compile(recipe.train.compile, plan, run_device(), tp_size(args.ds_config),
-                                  recipe.parallel.sequence, hooks_inside)
+                                  recipe.parallel.sequence, hooks_inside,
+                                  sharded=zero_stage(args.ds_config) == 3 and not zero3.persistence_threshold)
     except UserError as e:
         raise UserError(f"{recipe_source}: {e}") from None
     check_tensor_parallel(args.ds_config, source, config, world_size)
