@@ -56,7 +56,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_bias += grad.sum(0)
             grad = grad.to(hidden.dtype)
             if need_input:
-                torch.mm(grad, weight, out=grad_input[start:start + chunk])
+                grad_input[start:start + chunk] = grad @ weight  # (not out=: autocast refuses it)
             if need_weight:
                 if grad.dtype == grad_weight.dtype:
                     grad_weight.addmm_(grad.t(), h)
