@@ -213,8 +213,8 @@ def _register_flop_formulas() -> None:
     # by offs -> (S, n) forward; its backward computes the input's and the weights' gradients, twice that
     import transformers.integrations.moe  # noqa: F401  (defines the transformers:: ops)
 
-    # Which of them exist depends on the torch/transformers pair (the GPU image's torch 2.11 has neither the
-    # backward op nor, on some builds, the forward one): count those that are there.
+    # Which of them exist depends on the transformers version (5.17, on the lent GPU image, has no backward op):
+    # count those that are there.
     ops = torch.ops.transformers
     forward, backward = (getattr(ops, name, None) for name in ("grouped_mm_fallback", "grouped_mm_fallback_backward"))
     if forward is not None and forward not in flop_registry:

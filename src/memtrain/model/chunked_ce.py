@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+
 def chunk_tokens(hidden_size: int) -> int:
     """Tokens per chunk: half the hidden size, so a chunk's fp32 logits take half of an fp32 lm_head weight's bytes
     (TinyLlama: 1,024 tokens, 131 MB at a 32,000 vocabulary), and the matmuls stay large enough to run at speed."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.torch_version import TorchVersion
 
 from memtrain.errors import UserError
 from memtrain.recompute.policy import ATTN, MLP, ACPlan
@@ -55,8 +56,6 @@ def keeps_gathered_weights(version: Optional[str] = None) -> bool:
     saves the weights DeepSpeed's patched F.linear saves as plain tensors, not as the parameters, so ZeRO-3's release
     after the layer's forward frees nothing (measured on 2 gloo ranks: 1.445 MiB kept against eager's 0.277 MiB,
     the difference the layers' weight matrices). torch 2.13 saves the parameters themselves."""
-    from torch.torch_version import TorchVersion
-
     return TorchVersion(version or torch.__version__) < (2, 13)
 
 

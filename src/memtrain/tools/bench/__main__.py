@@ -124,30 +124,30 @@ def gpu_check(args) -> None:
     title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) on {ngpus} x {device}"
     out = args.out or Path("reports/gpu")
     results: list[dict] = []
-    stopped = False
+    report, stopped = "", False
     (out / "failed.log").unlink(missing_ok=True)  # an earlier run's
     bar = tqdm(names, desc="gpu-check", unit="setup")
     for name in bar:
         bar.set_postfix(setup=name)
-        extra: tuple[str, ...] = ()
-        plain = next((r for r in results if r["setup"] == "torch:noac" and r.get("peak_gib")), None)
-        if name in ("memtrain:auto", "memtrain:auto+compile") and plain is None:
+        auto = name in ("memtrain:auto", "memtrain:auto+compile")
+        plain = next((r for r in results if r["setup"] == "torch:noac" and r.get("peak_gib")), None) if auto else None
+        if auto and plain is None:
             result = {"setup": name, "label": parse_setup(name).label, "micro_batch": run.micro_batch,
                       "error": "no budget: torch:noac has no measured peak (run it first)"}
+        elif auto:
+            budget = f"{plain['peak_gib'] / 2:.3f}"
+            result = run(name, extra=(f"activation_checkpointing.memory_budget={budget}",))
+            result["label"] += f", budget {budget} GiB (half of plain no-AC's peak)"
         else:
-            if name in ("memtrain:auto", "memtrain:auto+compile"):
-                extra = (f"activation_checkpointing.memory_budget={plain['peak_gib'] / 2:.3f}",)
-            result = run(name, extra=extra)
-            if extra:
-                result["label"] += f", budget {extra[0].split('=')[1]} GiB (half of plain no-AC's peak)"
+            result = run(name)
         results.append(result)
         tqdm.write(json.dumps(result))
-        write_gpu_check(out, device, title, results, run.logs)
+        report = write_gpu_check(out, device, title, results, run.logs)
         stopped = same_failure_twice(results)
         if stopped:  # the trainer itself is broken here: stop before spending the GPU's time
             tqdm.write(f"gpu-check: stopped: two trainer set-ups in a row failed the same way: {result['error']}")
             break
-    print(write_gpu_check(out, device, title, results, run.logs), flush=True)
+    print(report, flush=True)
     failed = (out / "failed.log").exists()
     print(f"written: {out / (device_slug(device) + '.md')}" + (f"; failed set-ups' output: {out / 'failed.log'}"
                                                          if failed else ""), flush=True)
