@@ -315,7 +315,7 @@ def _planned_and_measured(sets, layers=2, batch=4, seq=256):
     return pred, allocator_peak(model, ids)
 
 
-def test_planner_logits_term_standard_and_fused_match_the_allocator():
+def test_planner_logits_term_standard_and_fused_match_the_allocator(fused_backend):
     """A 32,000-token vocabulary: the predicted activation peak with the standard and the fused loss,
     and the difference between them (the logits term), against the CPU allocator (5%)."""
     vocab = ["model.config.vocab_size=32000"]
