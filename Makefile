@@ -41,10 +41,12 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 
 ## train: the embedded default job (tiny Llama, stdlib text, 2 CPU ranks, ZeRO-3 + full AC)
 # Inputs are checked (and the corpus packed) in one plain process first: a mistake is one line
-# and no launcher or worker starts.
+# and no launcher or worker starts. The launcher gets DeepSpeed's accelerator named (its auto-detection logs a
+# warning in each launcher process; memtrain's own entry points name it the same way, memtrain.errors).
 train: setup
 	$(BIN)/python -m memtrain preflight --world-size $(NPROC) --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
-	$(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-$$($(BIN)/python -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')} \
+	  $(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
 
 ## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points)
 sweep: setup
