@@ -264,6 +264,13 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
         return f"{source}: unknown key '{key}'; {did_you_mean(model, loc)}"
     value = e.get("input")
     shown = f" (got {value!r})" if not isinstance(value, (dict, list)) else ""
+    # a Union key (e.g. train.compile: bool | 'auto'): pydantic reports one error per member, each with the member's
+    # tag appended to the key; name the key and every alternative instead of the first member's tag and message
+    members = [m for m in err.errors() if tuple(m["loc"])[:-1] == loc[:-1] and m.get("input") is value]
+    if len(members) > 1 and isinstance(loc[-1], str):
+        key = ".".join(str(p) for p in loc[:-1])
+        wanted = " or ".join(m["msg"].removeprefix("Input should be ").split(", ")[0] for m in members)
+        return f"{source}: {key}: expected {wanted}{shown}"
     return f"{source}: {key}: {e['msg']}{shown}"
 
 
