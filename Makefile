@@ -103,7 +103,7 @@ gpu-check: setup
 ## CPython 3.12 (WHEEL_PY). On the GPU machine: pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 ## && PYTHONPATH=$$PWD/src:/tmp/site python3 -m memtrain.tools.bench --gpu-check (docs/offload-and-benchmarks.md)
 WHEEL_PY ?= 3.12
-GPU_WHEELS := datasets transformers hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions \
+GPU_WHEELS := datasets transformers regex hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions \
               dill multiprocess
 gpu-wheels: setup
 	rm -rf .whl && mkdir -p .whl

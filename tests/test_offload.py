@@ -7,13 +7,19 @@ recycled too early shows up as wrong numbers. One launch checks the real ZeRO-3 
 """
 import copy
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, ROOT, SMALL_LLAMA, assert_ok, run_train
+from conftest import FAST, ROOT, SMALL_LLAMA, assert_ok, run_train, sitecustomize_env
 from memtrain.recompute.hooks import apply_plan, checkpoint_function
 from memtrain.recompute.policy import plan_for
 from memtrain.errors import UserError
@@ -480,6 +486,81 @@ def test_gpu_check_writes_after_each_set_up_and_stops_when_the_trainer_is_broken
     assert not same_failure_twice([*results, fail("memtrain:op", oom=True)])
     no_budget = {"setup": "memtrain:auto", "label": "", "micro_batch": 8, "error": broken}  # never started
     assert not same_failure_twice([fail("memtrain:full"), no_budget])
+
+
+def test_gpu_check_resume_keeps_what_measured_and_runs_failures_again(tmp_path):
+    """A gpu-check split across calls (the device lease's 10-minute limit): --resume keeps what the device's
+    report measured (an OOM is a measurement), in the order asked, and runs failed set-ups again."""
+    from memtrain.tools.bench.__main__ import measured_before, write_gpu_check
+
+    ok = lambda name, **kw: {"setup": name, "label": name, "micro_batch": 8, "tokens_per_s": 1.0, **kw}  # noqa: E731
+    results = [ok("torch:noac", peak_gib=50.0, measured_at="2026-11-26 10:00:00 UTC"), ok("memtrain:op"),
+               {"setup": "memtrain:full", "label": "", "micro_batch": 8, "oom": False, "error": "boom"},
+               {"setup": "memtrain:none", "label": "", "micro_batch": 8, "oom": True}]
+    write_gpu_check(tmp_path, "NVIDIA H200", "t", results, {})
+    assert measured_before(tmp_path, "NVIDIA H100", ["torch:noac"]) == []  # another device's report is not this one's
+    kept = measured_before(tmp_path, "NVIDIA H200", ["memtrain:op", "memtrain:full", "torch:noac"])
+    assert [r["setup"] for r in kept] == ["memtrain:op", "torch:noac", "memtrain:none"]
+    later = ok("memtrain:full", measured_at="2026-11-26 10:09:00 UTC")
+    report = write_gpu_check(tmp_path, "NVIDIA H200", "t", [*kept, later], {})
+    assert "Measured 2026-11-26 10:00:00 UTC to 2026-11-26 10:09:00 UTC." in report
+
+
+HANG = """import os, subprocess, sys, time
+if os.environ.get("HANG_PID_FILE") and "-m" in sys.orig_argv and "memtrain.tools.bench.plain" in sys.orig_argv:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(os.environ["HANG_PID_FILE"], "w").write(str(child.pid))
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return state != "Z"  # a zombie is dead (its parent was killed and init has not reaped it yet)
+
+
+def test_a_hung_set_up_is_killed_with_its_children_after_the_timeout(tmp_path, monkeypatch):
+    """One set-up that hangs (here before it starts, in a sitecustomize) costs --setup-timeout, not the rest of the
+    run: its process and the processes it started (a launcher's ranks, compile workers) are killed, and the
+    result says so."""
+    from memtrain.tools.bench.runner import Runner
+
+    env = sitecustomize_env(tmp_path / "hooks", HANG)
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    monkeypatch.setenv("HANG_PID_FILE", str(tmp_path / "child.pid"))
+    run = Runner(None, [], "ds_configs/zero3_ckpt.json", 1, 0, 1, timeout_s=5)
+    result = run("torch:noac")
+    assert result["error"] == "timed out after 5 s (killed)" and result["wall_s"] < 60
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.time() + 10
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def test_sigterm_to_the_bench_kills_the_set_up_it_is_running(tmp_path):
+    """`timeout 540 python -m memtrain.tools.bench ...` signals the bench only; the set-up runs in its own session,
+    so the bench kills it on the way out instead of leaving it on the GPU."""
+    env = sitecustomize_env(tmp_path / "hooks", HANG)
+    env["HANG_PID_FILE"] = str(tmp_path / "child.pid")
+    script = "from memtrain.tools.bench.runner import Runner; Runner(None, [], 'ds_configs/zero3_ckpt.json', 1, 0, 1)('torch:noac')"
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "child.pid").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    child = int((tmp_path / "child.pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    deadline = time.time() + 10
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
 
 
 def test_bench_host_counts_zero3_work_beside_plain_pytorch(tmp_path):

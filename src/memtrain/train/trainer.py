@@ -83,8 +83,13 @@ def _skip_shm_comm_op() -> None:
     """DeepSpeed JIT-builds its CPU shm comm op at init_distributed on a CPU accelerator (minutes on a
     busy 2-core machine, and rebuilt whenever two ninja binaries share its build folder). The op only
     serves DeepSpeed's inference all-reduce; ZeRO training on gloo never calls it. Marking it
-    incompatible makes DeepSpeed 0.19.8's `build_shm_op()` return None (deepspeed/comm/torch.py)."""
+    incompatible makes DeepSpeed 0.19.8's `build_shm_op()` return None (deepspeed/comm/torch.py). Only on a CPU
+    accelerator: elsewhere DeepSpeed does not build it, and reading the table would probe every CUDA op (nvcc runs)."""
     try:
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            return
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

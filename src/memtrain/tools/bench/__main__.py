@@ -14,8 +14,11 @@ GPUs the trainer runs on all of them through the deepspeed launcher; tokens/s is
 full, full + offload, op, auto with half of plain no-AC's peak as budget, the plain-PyTorch and DeepSpeed
 peers, and the same without leaf layers and residency) written to
 `reports/gpu/<device>.md`; then the long-sequence part (memtrain.tools.bench.long_seq) written to
-`reports/gpu/<device>-long.md`. Without a GPU it says so in one line and exits 0; `make bench`
-without a GPU runs a tiny CPU smoke pass of the same code instead.
+`reports/gpu/<device>-long.md`. Each set-up's process is killed after `--setup-timeout` seconds (300) and
+the report is rewritten after every set-up; `--resume` keeps what this device's report already measured
+and runs the rest, so a check split across calls on one machine ends in one table. Without a GPU it
+says so in one line and exits 0; `make bench` without a GPU runs a tiny CPU smoke pass of the same code
+instead.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -49,6 +53,7 @@ GPU_CHECK_SETUPS = ("torch:noac", "torch:hf-ac", "torch:sac", "deepspeed:cpu-ckp
                     "memtrain:none+compile", "memtrain:full+offload+compile", "memtrain:op+compile",
                     "memtrain:auto+compile")
 GPU_CHECK_STEPS, GPU_CHECK_WARMUP = 20, 10  # 30 steps each
+GPU_CHECK_TIMEOUT_S = 300  # a set-up takes ~50 s on one H100; a hung one must not take the rest's time
 # DeepSpeed 0.19.8's own cpu_checkpointing loses the checkpoint on a CPU accelerator: its copy "to CPU"
 # returns the same tensor, whose storage it then empties. It can only run on a GPU.
 GPU_ONLY = {"deepspeed:cpu-ckpt": "DeepSpeed's own cpu_checkpointing runs on a GPU only (on a CPU accelerator "
@@ -77,6 +82,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-search", action="store_true", help="skip the largest-micro-batch probes")
     p.add_argument("--gpu-check", action="store_true", help="the fixed GPU acceptance run (see the module doc)")
     p.add_argument("--no-long", action="store_true", help="with --gpu-check: skip the long-sequence part")
+    p.add_argument("--resume", action="store_true", help="with --gpu-check: keep the set-ups this device's report "
+                   "already measured and run only the others (a run split across calls on the same machine)")
+    p.add_argument("--setup-timeout", type=float, default=None, metavar="S", help="kill a set-up's process after "
+                   f"S seconds and go on (default: none; {GPU_CHECK_TIMEOUT_S:g} with --gpu-check)")
     p.add_argument("--out", type=Path, default=None, help="where the table and JSON go "
                    "(default reports/bench, or reports/gpu with --gpu-check)")
     return p
@@ -93,8 +102,10 @@ def setup_names(text: str) -> list[str]:
 def write_gpu_check(out: Path, device: str, title: str, results: list[dict], logs: dict[str, str]) -> str:
     """reports/gpu/<device>.{md,json} (and failed.log) from the set-ups measured so far: written after each
     set-up, so a run cut short keeps what it measured and `train.compile: auto` can read it at once."""
-    report = "\n".join([f"## {title}", "", gpu_check_markdown(results), "", "Targets (each a ratio measured in this run):",
-                        *gpu_check_targets(results)])
+    when = sorted(r["measured_at"] for r in results if r.get("measured_at"))
+    span = [f"Measured {when[0]}" + (f" to {when[-1]}" if when[-1] != when[0] else "") + ".", ""] if when else []
+    report = "\n".join([f"## {title}", "", *span, gpu_check_markdown(results), "",
+                        "Targets (each a ratio measured in this run):", *gpu_check_targets(results)])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{device_slug(device)}.md").write_text(report + "\n")
     (out / f"{device_slug(device)}.json").write_text(json.dumps({"title": title, "results": results}, indent=2))
@@ -102,6 +113,16 @@ def write_gpu_check(out: Path, device: str, title: str, results: list[dict], log
     if failed:  # what those processes printed, to see why
         (out / "failed.log").write_text("\n\n".join(logs[name] for name in failed))
     return report
+
+
+def measured_before(out: Path, device: str, names: list[str]) -> list[dict]:
+    """`--resume`: the results of this device's report in `out` that measured something (failures run again), in
+    the order `names` gives them."""
+    path = out / f"{device_slug(device)}.json"
+    if not path.is_file():
+        return []
+    kept = {r["setup"]: r for r in json.loads(path.read_text())["results"] if "tokens_per_s" in r or r.get("oom")}
+    return [kept[n] for n in names if n in kept] + [r for n, r in kept.items() if n not in names]
 
 
 def same_failure_twice(results: list[dict]) -> bool:
@@ -120,13 +141,17 @@ def gpu_check(args) -> None:
         return
     ngpus = torch.cuda.device_count()
     device = torch.cuda.get_device_name()
-    run = Runner(DEFAULT_RECIPE, [], args.deepspeed, GPU_CHECK_STEPS, GPU_CHECK_WARMUP, ngpus)
+    run = Runner(DEFAULT_RECIPE, [], args.deepspeed, GPU_CHECK_STEPS, GPU_CHECK_WARMUP, ngpus,
+                 timeout_s=args.setup_timeout or GPU_CHECK_TIMEOUT_S)
     title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) on {ngpus} x {device}"
     out = args.out or Path("reports/gpu")
-    results: list[dict] = []
+    results: list[dict] = measured_before(out, device, names) if args.resume else []
+    if results:
+        print(f"gpu-check --resume: kept {len(results)} set-ups measured earlier on this device: "
+              f"{', '.join(r['setup'] for r in results)}", flush=True)
     report, stopped = "", False
     (out / "failed.log").unlink(missing_ok=True)  # an earlier run's
-    bar = tqdm(names, desc="gpu-check", unit="setup")
+    bar = tqdm([n for n in names if n not in {r["setup"] for r in results}], desc="gpu-check", unit="setup")
     for name in bar:
         bar.set_postfix(setup=name)
         auto = name in ("memtrain:auto", "memtrain:auto+compile")
@@ -140,6 +165,7 @@ def gpu_check(args) -> None:
             result["label"] += f", budget {budget} GiB (half of plain no-AC's peak)"
         else:
             result = run(name)
+        result["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         results.append(result)
         tqdm.write(json.dumps(result))
         report = write_gpu_check(out, device, title, results, run.logs)
@@ -189,14 +215,14 @@ def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     if gpu:
         run = Runner(args.recipe, [], args.deepspeed, args.steps, recipe.train.metric_warmup_steps,
-                     torch.cuda.device_count())
+                     torch.cuda.device_count(), timeout_s=args.setup_timeout)
         title = f"{recipe.name} on {torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
         stem = recipe.name
     else:
         print("memtrain bench: no CUDA GPU on this machine, so nothing is measured on a GPU. Running a tiny CPU "
               "smoke pass of the same code path instead (embedded tiny recipe, 2 layers, seq 64, micro-batch 2); "
               "its numbers are CPU numbers, not GPU measurements.", flush=True)
-        run = Runner(None, SMOKE, args.deepspeed, SMOKE_STEPS, SMOKE_WARMUP, 1)
+        run = Runner(None, SMOKE, args.deepspeed, SMOKE_STEPS, SMOKE_WARMUP, 1, timeout_s=args.setup_timeout)
         title, stem = "CPU smoke run (not GPU measurements)", "cpu-smoke"
 
     results, searches = [], {}

@@ -1,8 +1,10 @@
 """One benchmark set-up at one micro-batch, in a fresh process: the trainer (`src/train.py`) or the plain-PyTorch peer."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,8 +25,9 @@ class Runner:
     """Runs one set-up at one micro-batch in a fresh process and returns its measurements."""
 
     def __init__(self, recipe: Optional[str], overrides: list[str], ds_path: str, steps: int, warmup: int,
-                 ngpus: int, cpus: Optional[set[int]] = None):
+                 ngpus: int, cpus: Optional[set[int]] = None, timeout_s: Optional[float] = None):
         self.recipe, self.overrides, self.ds_path = recipe, overrides, ds_path
+        self.timeout_s = timeout_s  # one process's wall-clock limit: a hung set-up costs this, not the rest's time
         self.cpus = cpus  # pin each process to these cores (memtrain.tools.bench.host)
         self.micro_batch = load_recipe(recipe, overrides).train.micro_batch_size
         self.steps, self.warmup, self.ngpus = steps, warmup, ngpus
@@ -81,7 +84,7 @@ class Runner:
             cmd += ["--set", item]
         started = time.time()
         pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=self.env, preexec_fn=pin)
+        proc = _run(cmd, self.env, pin, self.timeout_s)
         self.logs[name] = f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
         result = {"setup": name, "label": setup.label, "micro_batch": micro_batch or self.micro_batch,
                   "wall_s": time.time() - started}
@@ -91,35 +94,39 @@ class Runner:
             result.update(json.loads(Path(str(out) + ".json").read_text()))
         if "tokens_per_s" in result or result.get("oom"):
             return result
+        if proc.returncode is None:
+            result.update(oom=False, error=f"timed out after {self.timeout_s:g} s (killed)")
+            return result
         text = proc.stderr + proc.stdout
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
         result.update(oom=is_oom_text(text), error=" / ".join(tail) or f"exit {proc.returncode}")
         return result
 
 
-def _from_summary(path: Path) -> dict:
-    """A trainer run's figures, per GPU, from its summary.json."""
-    if not path.is_file():
-        return {}
-    summary = json.loads(path.read_text())
-    if summary.get("status") == "oom":
-        return {"oom": True}
-    if summary.get("status") != "completed":
-        return {"error": summary.get("reason") or f"status {summary.get('status')}"}
-    m, world = summary["metrics"], summary.get("world_size", 1)
-    plan = summary.get("ac_plan") or {}
-    return {
-        "tokens_per_s": m["throughput/tokens_per_s"] / world,
-        "step_s": m.get("time/step_s"),
-        "peak_gib": summary.get("peak_allocated_gib"),
-        "predicted_peak_gib": summary.get("predicted_peak_gib"),
-        "mfu": m.get("throughput/mfu"),
-        "hfu": m.get("throughput/hfu"),
-        "activation_gib": m.get("memory/activation_gib"),
-        "offloaded_gib": m.get("memory/offloaded_activation_gib", 0.0),
-        "world_size": world,
-        "device": summary.get("device"),
-        "plan": "".join({"keep": ".", "full": "R", "attn": "A", "mlp": "M", "op": "O"}.get(x, "?")
-                        for x in plan.get("layers", [])),
-        "probe": {k: v for k, v in (summary.get("probe") or {}).items() if k != "per_step"},
-    }
+def _run(cmd: list[str], env: dict, pin, timeout_s: Optional[float]) -> subprocess.CompletedProcess:
+    """The set-up's process in its own session, so that on timeout the whole group (the launcher's ranks, inductor's
+    compile workers) is killed; returncode None when it was. A SIGTERM to this process (`timeout`, Slurm) or Ctrl-C
+    kills the group too: in its own session it would not get the signal and would hold the GPU on."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=pin,
+                            start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, _exit_on_term)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes: its output is lost
+            stdout, stderr = "", ""
+        return subprocess.CompletedProcess(cmd, None, stdout, stderr)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_term(signum, frame):
+    raise SystemExit(128 + signum)
