@@ -88,7 +88,7 @@ bench: setup
 	$(BIN)/python -m memtrain bench $(RECIPE_ARG) $(ARGS)
 
 ## bench-host: host work per step (ZeRO-3 fetches, all-gathers, aten ops, CPU time) of the trainer beside plain PyTorch,
-## tiny recipe on one CPU core -> reports/host_overhead.{md,png} (ARGS: e.g. --setups torch:noac,memtrain:full)
+## tiny recipe on one CPU core -> reports/host_overhead.{md,json,png} (ARGS: e.g. --setups torch:noac,memtrain:full)
 bench-host: setup
 	$(BIN)/python -m memtrain bench-host $(ARGS)
 

@@ -209,11 +209,11 @@ def _files(tmp_path):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--max-steps", "abc"], "--max-steps: invalid int value: 'abc' (see train.py --help)"),
-    (["--max-steps"], "--max-steps: expected one argument (see train.py --help)"),
-    (["--world-size", "two"], "--world-size: invalid int value: 'two' (see python -m memtrain.train.preflight --help)"),
-    (["--run-dir", ""], "--run-dir: empty path (see train.py --help)"),
-    (["--steps", "5"], "unrecognized arguments: --steps 5 (see train.py --help)"),
+    (["--max-steps", "abc"], "--max-steps: invalid int value: 'abc' (see python -m memtrain preflight --help)"),
+    (["--max-steps"], "--max-steps: expected one argument (see python -m memtrain preflight --help)"),
+    (["--world-size", "two"], "--world-size: invalid int value: 'two' (see python -m memtrain preflight --help)"),
+    (["--run-dir", ""], "--run-dir: empty path (see python -m memtrain preflight --help)"),
+    (["--steps", "5"], "unrecognized arguments: --steps 5 (see python -m memtrain preflight --help)"),
     (_set("data.seq_len=1"), "embedded recipe 'tiny': data.seq_len: 1 leaves no next token to predict (the labels "
      "are the inputs shifted by one); expected 2 or more"),
     (_set("data.paths=[{d}/binary.txt]"), "embedded recipe 'tiny': data.paths: {d}/binary.txt: binary data (a NUL "

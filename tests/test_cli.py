@@ -36,6 +36,8 @@ def test_each_command_has_its_help(command, capsys):
     assert out.startswith("usage:") and "--help" in out
     if command == "gpu-check":  # bench's parser, entered with --gpu-check
         assert "--gpu-check" in out
+    if command in ("preflight", "explain-config"):  # their own flag and every flag of train.py they pass on
+        assert all(flag in out for flag in ("--world-size", "--deepspeed", "--recipe", "--set", "--run-dir"))
 
 
 def test_makefile_targets_use_the_front_door():

@@ -23,6 +23,7 @@ class RunArgs:
     resume: bool
     overwrite: bool
     recipe_path: Optional[str] = None  # None: the embedded default recipe
+    world_size: Optional[int] = None  # --world-size of the tools that check a run before it starts
 
 
 def _path(text: str) -> Path:
@@ -31,11 +32,17 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="train.py",
-        description="Train a transformers causal LM with DeepSpeed and per-layer activation recompute.",
-    )
+TRAIN_DESCRIPTION = "Train a transformers causal LM with DeepSpeed and per-layer activation recompute."
+
+
+def parser(prog: str = "train.py", description: str = TRAIN_DESCRIPTION,
+           world_size: Optional[int] = None) -> argparse.ArgumentParser:
+    """train.py's flags; with `world_size` (its default) also `--world-size`, for the tools that check or explain a
+    run before any launcher starts it (preflight, explain-config), so their --help lists every flag they take."""
+    p = ArgumentParser(prog=prog, description=description)
+    if world_size is not None:
+        p.add_argument("--world-size", type=int, default=world_size,
+                       help=f"ranks the run will have, all nodes together (default: {world_size})")
     p.add_argument("--deepspeed", default=DEFAULT_DS_CONFIG, metavar="JSON",
                    help=f"DeepSpeed config (default: {DEFAULT_DS_CONFIG})")
     p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
@@ -49,8 +56,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[list[str]] = None) -> RunArgs:
-    args = parser().parse_args(argv)
+def parse_args(argv: Optional[list[str]] = None, flags: Optional[argparse.ArgumentParser] = None) -> RunArgs:
+    """`flags`: the parser (default train.py's)."""
+    args = (flags or parser()).parse_args(argv)
+    world_size = getattr(args, "world_size", None)
+    if world_size is not None and world_size < 1:
+        raise UserError(f"--world-size: must be positive (got {world_size})")
     overrides = list(args.overrides)
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
@@ -58,6 +69,7 @@ def parse_args(argv: Optional[list[str]] = None) -> RunArgs:
     ds_config = load_ds_config(args.deepspeed)
     if args.resume and args.run_dir is None:
         raise UserError("--resume: needs --run-dir naming the run to continue")
-    return RunArgs(recipe, ds_config, args.deepspeed, args.run_dir, args.resume, args.overwrite, args.recipe)
+    return RunArgs(recipe, ds_config, args.deepspeed, args.run_dir, args.resume, args.overwrite, args.recipe,
+                   world_size)
 
 

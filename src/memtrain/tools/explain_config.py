@@ -3,14 +3,13 @@ JSON saying what a run does with it: filled from the recipe/model (with the valu
 no-op here (and why), or rejected (and why). It runs the same preflight as a launch."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from memtrain.config.args import parse_args
+from memtrain.config.args import RunArgs, parse_args, parser
 from memtrain.config.ds_config import (AUTO, AUTO_BY_KEY, MONITOR_KEYS, deepspeed_top_level_keys, get,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config,
                                        zero_stage)
@@ -58,10 +57,10 @@ def _noop(key: str, raw: dict, resolved: dict, spec: Optional[RecomputeSpec]) ->
     return None
 
 
-def explain(argv: list[str], world_size: int) -> list[str]:
+def explain(args: RunArgs) -> list[str]:
     from memtrain.train.preflight import check_run
 
-    args = parse_args(argv)
+    world_size = args.world_size or 1
     raw, source = args.ds_config, args.ds_config_path
     error, checked = None, None
     try:
@@ -121,7 +120,6 @@ def explain(argv: list[str], world_size: int) -> list[str]:
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="memtrain explain-config", description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", type=int, default=2)
-    known, rest = p.parse_known_args(argv)
-    print("\n".join(explain(rest, known.world_size)))
+    description = " ".join(__doc__.split(":", 1)[1].split())  # the docstring after its usage line
+    description = description[0].upper() + description[1:]
+    print("\n".join(explain(parse_args(argv, parser("python -m memtrain explain-config", description, world_size=2)))))

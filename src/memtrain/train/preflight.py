@@ -33,13 +33,13 @@ from memtrain.model.moe import experts_line
 from memtrain.memory.target import compute_dtype
 from memtrain.memory.planner import predict_run
 from memtrain.units import GIB
-from memtrain.config.args import RunArgs, parse_args
+from memtrain.config.args import RunArgs, parse_args, parser
 from memtrain.model.data import build_tokenizer, builder_for, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log
 from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile, leaf_names_layer
-from memtrain.errors import ArgumentParser, UserError, cli_entry
+from memtrain.errors import UserError, cli_entry
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
 from memtrain.config.zero3 import Zero3Layout, zero3_layout
 from memtrain.recompute.hooks import apply_plan
@@ -456,13 +456,11 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from memtrain.model.data import prepare_data
 
-    pre = ArgumentParser(prog="python -m memtrain.train.preflight", add_help=False)
-    pre.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
-    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if known.world_size < 1:
-        raise UserError(f"--world-size: must be positive (got {known.world_size})")
-    args = parse_args(rest)
-    check_run(args, known.world_size)
+    flags = parser("python -m memtrain preflight", "Every check of a run before any worker starts, and the corpus "
+                   "packed for its workers; silent with exit 0 when all is well.",
+                   world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    args = parse_args(sys.argv[1:] if argv is None else argv, flags)
+    check_run(args, args.world_size)
     if not args.recipe.data.random_tokens:
         prepare_data(args.recipe.data, args.recipe.train.seed)
 
