@@ -130,3 +130,31 @@ def _run(cmd: list[str], env: dict, pin, timeout_s: Optional[float]) -> subproce
 
 def _exit_on_term(signum, frame):
     raise SystemExit(128 + signum)
+
+
+def _from_summary(path: Path) -> dict:
+    """A trainer run's figures, per GPU, from its summary.json."""
+    if not path.is_file():
+        return {}
+    summary = json.loads(path.read_text())
+    if summary.get("status") == "oom":
+        return {"oom": True}
+    if summary.get("status") != "completed":
+        return {"error": summary.get("reason") or f"status {summary.get('status')}"}
+    m, world = summary["metrics"], summary.get("world_size", 1)
+    plan = summary.get("ac_plan") or {}
+    return {
+        "tokens_per_s": m["throughput/tokens_per_s"] / world,
+        "step_s": m.get("time/step_s"),
+        "peak_gib": summary.get("peak_allocated_gib"),
+        "predicted_peak_gib": summary.get("predicted_peak_gib"),
+        "mfu": m.get("throughput/mfu"),
+        "hfu": m.get("throughput/hfu"),
+        "activation_gib": m.get("memory/activation_gib"),
+        "offloaded_gib": m.get("memory/offloaded_activation_gib", 0.0),
+        "world_size": world,
+        "device": summary.get("device"),
+        "plan": "".join({"keep": ".", "full": "R", "attn": "A", "mlp": "M", "op": "O"}.get(x, "?")
+                        for x in plan.get("layers", [])),
+        "probe": {k: v for k, v in (summary.get("probe") or {}).items() if k != "per_step"},
+    }
