@@ -3,6 +3,7 @@ PYTHON  ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 NPROC   ?= 2
+TEST_WORKERS ?= 2
 RECIPE  ?=
 DS      ?= ds_configs/zero3_ckpt.json
 ARGS    ?=
@@ -115,9 +116,9 @@ gpu-wheels: setup
 	  $$(for p in $(GPU_WHEELS); do grep -i "^$$p==" requirements.lock; done)
 	@ls .whl && du -sh .whl
 
-## test: the whole suite (CPU)
+## test: the whole suite (CPU), its files spread over TEST_WORKERS pytest-xdist workers (0: in one process)
 test: setup
-	$(BIN)/python -m pytest -q -m "not multinode" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## test-multinode: two torchrun agents as two nodes on this machine (tests/test_multinode.py); .ci/run runs it after make test
 test-multinode: setup
