@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, _env, _free_port
 from families import FAMILIES
-from zero3_worker import COMPILED, COMPOSED, STEPS_COMPILED
+from zero3_worker import COMPILED, COMPOSED, OFFLOAD, STEPS_COMPILED
 
 STEADY = 2  # the coordinator records its trace in the first step, uses it from the second
 
@@ -119,6 +119,27 @@ def test_compiled_layers_train_as_eager_ones_and_compile_only_in_the_warm_up(cas
     for step, base in zip(compiled["steps"][STEADY:], eager["steps"][STEADY:]):
         assert step["fetches"] == base["fetches"] and step["fetches"]["recompute"] == 0
         assert step["all_gather_bytes"] == base["all_gather_bytes"]
+
+
+@pytest.mark.parametrize("key", [case[:3] for case in OFFLOAD], ids=lambda k: "-".join(k))
+def test_offloaded_recompute_under_zero3_equals_no_recompute(cases, key):
+    """memtrain's offload of checkpointed inputs under ZeRO-3 with leaf layers, as a GPU run sets it up (gpu-check's
+    memtrain:full+offload and +compile among them): inputs go to the host on both ranks, the gradients are no
+    recompute's, and the recompute fetches nothing, with DeepSpeed's module stack flat."""
+    case, case1 = cases[key]
+    none, _ = cases[("leaf", "none", "auto")]
+    assert case["plan_backend"] == ("torch" if key[2] == "torch" else "deepspeed")
+    # every recomputed unit but the last offloads (its input is needed first); sqrt's unit is a segment head
+    assert case["plan_offload"] == ([True, False, False, False] if key[1] == "sqrt" else [True, True, True, False])
+    for rank in (case, case1):
+        offloaded, misses = rank["offloaded"]
+        assert offloaded >= sum(case["plan_offload"]) * len(case["steps"]) and misses == 0
+    assert _max_diff(case["grads"], none["grads"]) < (1e-5 if key[0] == "offload-compiled" else 1e-6)
+    assert case["late_compiles"] == []
+    for step, base in zip(case["steps"][STEADY:], none["steps"][STEADY:]):
+        assert step["fetches"] == base["fetches"] and step["fetches"]["recompute"] == 0
+        assert step["all_gather_bytes"] == base["all_gather_bytes"]
+    assert len({s["fwd_module_stack"] for s in case["steps"]}) == 1
 
 
 @pytest.mark.parametrize("policy, backend", COMPOSED, ids=lambda v: str(v))

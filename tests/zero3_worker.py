@@ -12,7 +12,8 @@ ZeRO-3 leaf modules); "hooked" adds `zero_optimization.leaf_module: {classes: []
 every submodule as it does by default. "frozen" and "trainable" are "leaf" with the recipe's
 train.frozen / train.trainable (memtrain.model.freeze; FREEZE below); for them each rank also records
 whether every frozen parameter is bit-identical after the steps and how many elements DeepSpeed's
-optimizer holds. Last, Ulysses sequence parallelism on the multi-head families (tests/families.py SP_MHA):
+optimizer holds. "offload" and "offload-compiled" are "leaf" (and "compiled") with the JSON's cpu_checkpointing on and
+the recompute spec resolved as on a GPU (`as_on_a_gpu`), so memtrain's offload runs under ZeRO-3. Last, Ulysses sequence parallelism on the multi-head families (tests/families.py SP_MHA):
 their gradients against one full-sequence rank, into OUT_DIR/sp<r>.json.
 """
 import contextlib
@@ -53,6 +54,12 @@ CASES = [(v, p, b, max(n, STEPS_COMPILED) if v == "leaf" and (p, b) in COMPILED 
 # lower stages build the model without zero.Init (other initial weights): each has its own all-trainable reference
 CASES += [(f"{v}-z{stage}", p, b, n) for stage in (0, 1, 2)
           for v, p, b, n in (("frozen", "full", "deepspeed", 3), ("plain", "none", "auto", 1))]
+# memtrain's cpu_checkpointing as a GPU run has it (the JSON's key in effect: see `as_on_a_gpu`), with leaf layers:
+# backend auto (DeepSpeed's reentrant checkpoint, gpu-check's memtrain:full+offload), torch's checkpoint, sqrt
+# segments (hooked submodules inside), and compiled layers (memtrain:full+offload+compile)
+OFFLOAD = (("offload", "full", "auto", STEPS), ("offload", "full", "torch", STEPS), ("offload", "sqrt", "auto", 1),
+           ("offload-compiled", "full", "auto", STEPS_COMPILED))
+CASES += list(OFFLOAD)
 
 
 def json_for(variant: str, out_dir: Path, rank: int) -> str:
@@ -60,6 +67,8 @@ def json_for(variant: str, out_dir: Path, rank: int) -> str:
     raw.pop("tensorboard", None)
     if variant == "hooked":
         raw["zero_optimization"]["leaf_module"] = {"classes": []}
+    if variant.startswith("offload"):
+        raw["activation_checkpointing"]["cpu_checkpointing"] = True
     if "-z" in variant:  # frozen-z0/1/2: the same freezing under a lower ZeRO stage
         raw["zero_optimization"] = {"stage": int(variant.rpartition("-z")[2])}
     path = out_dir / f"ds-{variant}-rank{rank}.json"  # each rank its own: no rank reads a half-written file
@@ -82,9 +91,11 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
 
     overrides = ["data.seq_len=32", "train.micro_batch_size=2", "data.random_tokens=true", "train.grad_clip=0",
                  f"activation_checkpointing.policy={policy}", f"activation_checkpointing.backend={backend}",
-                 "activation_checkpointing.modules=[model.layers.*.mlp]", f"train.compile={variant == 'compiled'}"] + ([FREEZE[variant.partition("-")[0]]] if variant.partition("-")[0] in FREEZE else [])
+                 "activation_checkpointing.modules=[model.layers.*.mlp]",
+                 f"train.compile={variant in ('compiled', 'offload-compiled')}"] + ([FREEZE[variant.partition("-")[0]]] if variant.partition("-")[0] in FREEZE else [])
     args = parse_args(["--deepspeed", json_for(variant, out_dir, rank), *sum((["--set", o] for o in overrides), [])])
-    checked = check_run(args, world)
+    with as_on_a_gpu() if variant.startswith("offload") else contextlib.nullcontext():
+        checked = check_run(args, world)
     plan = checked.plan
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       plan.checkpoint_calls, hidden_size=model_hidden_size(checked.config)))
@@ -124,13 +135,37 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     with deepspeed.zero.GatheredParameters([p for _, p in frozen]):
         changed = [n for n, p in frozen if not torch.equal(p.detach(), before[n])]
     optimizer_numel = _optimizer_numel(engine.optimizer)
+    offloader = getattr(engine.module, "ac_offloader", None)
+    offloaded = (offloader.offloaded, offloader.prefetch_misses) if offloader is not None else None
     engine.destroy()
     return {"variant": variant, "policy": policy, "backend": backend, "plan_backend": plan.backend,
             "leaf_layers": checked.zero3.leaf_layers, "steps": probe.steps, "grads": grads, "losses": losses,
             "compiles": compiles.compiles, "late_compiles": compiles.late, "compile_line": checked.compile.line,
             "compiled_calls": compiled, "activation_bytes": activation_bytes, "plan_layers": list(plan.layers),
             "frozen": sorted(before), "frozen_changed": changed, "optimizer_numel": optimizer_numel,
-            "trainable_line": next((line for line in checked.model_lines if line.startswith("trainable")), ""), "reference": reference}
+            "trainable_line": next((line for line in checked.model_lines if line.startswith("trainable")), ""), "reference": reference,
+            "plan_offload": list(plan.offload), "offloaded": offloaded}
+
+
+@contextlib.contextmanager
+def as_on_a_gpu():
+    """The run's RecomputeSpec resolved as for a CUDA device: the JSON's cpu_checkpointing takes effect (memtrain's
+    offload; on a CPU it is a no-op), the rest of the run stays on the CPU. The offloader's copies are then plain
+    host copies; CUDA's stream ordering of them is what tests/test_offload.py checks with DeferredCopies."""
+    import dataclasses
+
+    from memtrain.train import preflight
+
+    resolve = preflight.resolve_recompute
+
+    def on_cuda(ds_config, section, device, *args, **kwargs):
+        return dataclasses.replace(resolve(ds_config, section, "cuda", *args, **kwargs), device=device)
+
+    preflight.resolve_recompute = on_cuda
+    try:
+        yield
+    finally:
+        preflight.resolve_recompute = resolve
 
 
 def _plain_peft_grads(module, recipe, config, world, rank):
