@@ -12,6 +12,7 @@
   profiler) in a real step; the offload prefetch term vs the restores counted at the copy engine;
   ZeRO-1/2 reduce buckets vs the buffers a real DeepSpeed engine holds in its backward.
 """
+import contextlib
 import itertools
 import json
 import subprocess
@@ -338,7 +339,10 @@ def test_predict_run_matches_the_allocator(policy, modules):
     assert bool(plan.segments) == (policy == "sqrt")
     pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
     assert not pred.notes
-    apply_plan(model, plan)
+    overlap = modules == ("model.layers.0", "model.layers.*.mlp")  # layer 0's MLP is inside layer 0: skipped, said
+    with pytest.warns(RuntimeWarning, match="'model.layers.0.mlp' overlaps 'model.layers.0'") if overlap else \
+            contextlib.nullcontext():
+        apply_plan(model, plan)
     measured = allocator_peak(model, ids)
     assert pred.activation_peak == pytest.approx(measured, rel=0.10), (policy, modules, pred.phase)
 
