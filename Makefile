@@ -118,7 +118,7 @@ gpu-wheels: setup
 
 ## test: the whole suite (CPU), its files spread over TEST_WORKERS pytest-xdist workers (0: in one process)
 test: setup
-	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 ## test-multinode: two torchrun agents as two nodes on this machine (tests/test_multinode.py); .ci/run runs it after make test
 test-multinode: setup

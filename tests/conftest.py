@@ -18,7 +18,8 @@ FAST = ["--set", "data.seq_len=64", "--set", "train.micro_batch_size=4", "--set"
         "--set", "train.log_every=1"]  # one TensorBoard point per step
 
 
-# `make test` spreads whole files over pytest-xdist workers (--dist loadfile) in collection order. Longest first
+# `make test` spreads whole files over pytest-xdist workers (--dist loadfile --no-loadscope-reorder: in collection
+# order, not xdist's by number of tests). Longest first
 # (seconds on the 2-core CPU machine, 2026-11-25), so that none of them is left to run alone at the end.
 LONGEST_FIRST = ("test_zero3_hooks.py",  # 155: one launch with every ZeRO-3 case
                  "test_resume.py", "test_faults.py", "test_slurm.py", "test_long_context.py", "test_planner.py",

@@ -11,7 +11,7 @@ import time
 import memtrain.model.data as data
 _pack = data._pack
 def slow(*args, **kwargs):
-    time.sleep(12)  # a corpus that takes longer to pack than the run's collective timeout
+    time.sleep(20)  # a corpus that takes longer to pack than the run's collective timeout
     return _pack(*args, **kwargs)
 data._pack = slow
 """
@@ -19,12 +19,13 @@ data._pack = slow
 
 def test_packing_longer_than_the_collective_timeout_kills_no_rank(tmp_path):
     """Packing the corpus happens before the ranks meet (they wait on the cache's file lock), so a packing that
-    outlasts train.collective_timeout_s (4 s here; 12 s of packing) still trains. When one rank packed while the
+    outlasts train.collective_timeout_s (8 s here, a margin for ranks that start seconds apart on shared cores; 20 s
+    of packing) still trains. When one rank packed while the
     others waited in an all-gather, this run died of the timeout."""
     env = sitecustomize_env(tmp_path / "site", SLOW_PACKING)
     run = tmp_path / "run"
     proc = run_train([*FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--max-steps", "2",
-                      "--set", "train.collective_timeout_s=4", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+                      "--set", "train.collective_timeout_s=8", "--set", f"data.cache_dir={tmp_path / 'cache'}",
                       "--set", "train.save_checkpoints=false", "--run-dir", str(run)], nproc=2, env=env)
     assert_ok(proc)
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"

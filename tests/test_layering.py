@@ -41,7 +41,7 @@ def test_no_new_upward_or_private_import():
 def import_graph() -> dict[str, set[str]]:
     """Module -> the memtrain modules it imports (every import line, deferred ones too; `from memtrain.x import y`
     counts as importing memtrain.x.y where that is a module)."""
-    modules = {"memtrain." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+    modules = {("memtrain." + ".".join(p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
                for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():

@@ -486,9 +486,11 @@ def test_gpu_check_writes_after_each_set_up_and_stops_when_the_trainer_is_broken
     assert not same_failure_twice([*results, fail("memtrain:op", oom=True)])
     no_budget = {"setup": "memtrain:auto", "label": "", "micro_batch": 8, "error": broken}  # never started
     assert not same_failure_twice([fail("memtrain:full"), no_budget])
+    slow = "timed out after 300 s (killed)"  # a cold compile cache, not a broken trainer: the run goes on
+    assert not same_failure_twice([fail("memtrain:op+compile", slow), fail("memtrain:auto+compile", slow)])
 
 
-def test_gpu_check_resume_keeps_what_measured_and_runs_failures_again(tmp_path):
+def test_gpu_check_resume_keeps_what_measured_and_runs_failures_again(tmp_path, capsys):
     """A gpu-check split across calls (the device lease's 10-minute limit): --resume keeps what the device's
     report measured (an OOM is a measurement), in the order asked, and runs failed set-ups again."""
     from memtrain.tools.bench.__main__ import measured_before, write_gpu_check
@@ -498,20 +500,45 @@ def test_gpu_check_resume_keeps_what_measured_and_runs_failures_again(tmp_path):
                {"setup": "memtrain:full", "label": "", "micro_batch": 8, "oom": False, "error": "boom"},
                {"setup": "memtrain:none", "label": "", "micro_batch": 8, "oom": True}]
     write_gpu_check(tmp_path, "NVIDIA H200", "t", results, {})
-    assert measured_before(tmp_path, "NVIDIA H100", ["torch:noac"]) == []  # another device's report is not this one's
-    kept = measured_before(tmp_path, "NVIDIA H200", ["memtrain:op", "memtrain:full", "torch:noac"])
+    assert measured_before(tmp_path, "NVIDIA H100", "t", ["torch:noac"]) == []  # another device's report is not this one's
+    assert measured_before(tmp_path, "NVIDIA H200", "on 8 x NVIDIA H200", ["torch:noac"]) == []  # nor another check's
+    assert "is the report of another check ('t', not 'on 8 x NVIDIA H200')" in capsys.readouterr().out
+    kept = measured_before(tmp_path, "NVIDIA H200", "t", ["memtrain:op", "memtrain:full", "torch:noac"])
     assert [r["setup"] for r in kept] == ["memtrain:op", "torch:noac", "memtrain:none"]
     later = ok("memtrain:full", measured_at="2026-11-26 10:09:00 UTC")
     report = write_gpu_check(tmp_path, "NVIDIA H200", "t", [*kept, later], {})
     assert "Measured 2026-11-26 10:00:00 UTC to 2026-11-26 10:09:00 UTC." in report
+    (tmp_path / "NVIDIA-H200.json").write_text('{"title": "t", "res')  # cut short by hand: measured again, one line
+    assert measured_before(tmp_path, "NVIDIA H200", "t", ["torch:noac"]) == []
+    assert "cannot be read" in capsys.readouterr().out
 
 
 HANG = """import os, subprocess, sys, time
 if os.environ.get("HANG_PID_FILE") and "-m" in sys.orig_argv and "memtrain.tools.bench.plain" in sys.orig_argv:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    open(os.environ["HANG_PID_FILE"], "w").write(str(child.pid))
+    path = os.environ["HANG_PID_FILE"]
+    open(path + ".tmp", "w").write(str(child.pid))
+    os.replace(path + ".tmp", path)  # whole, or not there
     time.sleep(600)
 """
+
+
+def _child_pid(path: Path, limit_s: float = 60) -> int:
+    deadline = time.time() + limit_s
+    while not path.exists():
+        assert time.time() < deadline, "the hung set-up never started its child"
+        time.sleep(0.1)
+    return int(path.read_text())
+
+
+def _gone(pid: int, limit_s: float = 10) -> bool:
+    deadline = time.time() + limit_s
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:  # not left behind for the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    return not alive
 
 
 def _alive(pid: int) -> bool:
@@ -532,14 +559,10 @@ def test_a_hung_set_up_is_killed_with_its_children_after_the_timeout(tmp_path, m
     env = sitecustomize_env(tmp_path / "hooks", HANG)
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     monkeypatch.setenv("HANG_PID_FILE", str(tmp_path / "child.pid"))
-    run = Runner(None, [], "ds_configs/zero3_ckpt.json", 1, 0, 1, timeout_s=5)
+    run = Runner(None, [], "ds_configs/zero3_ckpt.json", 1, 0, 1, timeout_s=10)
     result = run("torch:noac")
-    assert result["error"] == "timed out after 5 s (killed)" and result["wall_s"] < 60
-    child = int((tmp_path / "child.pid").read_text())
-    deadline = time.time() + 10
-    while _alive(child) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not _alive(child)
+    assert result["error"] == "timed out after 10 s (killed)" and result["wall_s"] < 60
+    assert _gone(_child_pid(tmp_path / "child.pid", limit_s=0))  # written within the 10 s, before the kill
 
 
 def test_sigterm_to_the_bench_kills_the_set_up_it_is_running(tmp_path):
@@ -550,17 +573,44 @@ def test_sigterm_to_the_bench_kills_the_set_up_it_is_running(tmp_path):
     script = "from memtrain.tools.bench.runner import Runner; Runner(None, [], 'ds_configs/zero3_ckpt.json', 1, 0, 1)('torch:noac')"
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (tmp_path / "child.pid").exists() and time.time() < deadline:
-        time.sleep(0.1)
-    child = int((tmp_path / "child.pid").read_text())
+    child = _child_pid(tmp_path / "child.pid")
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
-    deadline = time.time() + 10
-    while _alive(child) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not _alive(child)
+    assert _gone(child)
+
+
+def test_a_killed_bench_takes_its_set_up_along(tmp_path):
+    """A bench killed without a word (SIGKILL: the OOM killer, `kill -9`) cannot kill its set-up, which runs in a
+    session of its own; the kernel does (PR_SET_PDEATHSIG), so no set-up outlives the bench on a GPU."""
+    import psutil
+
+    env = sitecustomize_env(tmp_path / "hooks", HANG)
+    env["HANG_PID_FILE"] = str(tmp_path / "child.pid")
+    script = "from memtrain.tools.bench.runner import Runner; Runner(None, [], 'ds_configs/zero3_ckpt.json', 1, 0, 1)('torch:noac')"
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    child = _child_pid(tmp_path / "child.pid")
+    setup = psutil.Process(child).ppid()
+    assert setup != proc.pid and psutil.Process(setup).ppid() == proc.pid
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert _gone(setup)
+    _gone(child, limit_s=0)  # the set-up's own child is the kernel's to reparent: cleaned up here
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--setup-timeout", "0"], "--setup-timeout: must be positive seconds (got 0)"),
+    (["--resume"], "--resume: continues a --gpu-check run; make bench has nothing to resume"),
+])
+def test_bench_flag_mistakes_are_one_line(argv, line, capsys):
+    from memtrain.tools.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(line), err
 
 
 def test_bench_host_counts_zero3_work_beside_plain_pytorch(tmp_path):

@@ -51,13 +51,14 @@ COMPILED = (("none", "auto"), ("full", "torch"), ("full", "deepspeed"), ("every:
 STEPS_COMPILED = 4
 CASES += [("compiled", p, b, STEPS_COMPILED) for p, b in COMPILED]
 CASES = [(v, p, b, max(n, STEPS_COMPILED) if v == "leaf" and (p, b) in COMPILED else n) for v, p, b, n in CASES]
+CASES = [(v, p, b, STEPS if (v, p, b) == ("leaf", "sqrt", "auto") else n) for v, p, b, n in CASES]  # offload's peer
 # lower stages build the model without zero.Init (other initial weights): each has its own all-trainable reference
 CASES += [(f"{v}-z{stage}", p, b, n) for stage in (0, 1, 2)
           for v, p, b, n in (("frozen", "full", "deepspeed", 3), ("plain", "none", "auto", 1))]
 # memtrain's cpu_checkpointing as a GPU run has it (the JSON's key in effect: see `as_on_a_gpu`), with leaf layers:
 # backend auto (DeepSpeed's reentrant checkpoint, gpu-check's memtrain:full+offload), torch's checkpoint, sqrt
 # segments (hooked submodules inside), and compiled layers (memtrain:full+offload+compile)
-OFFLOAD = (("offload", "full", "auto", STEPS), ("offload", "full", "torch", STEPS), ("offload", "sqrt", "auto", 1),
+OFFLOAD = (("offload", "full", "auto", STEPS), ("offload", "full", "torch", STEPS), ("offload", "sqrt", "auto", STEPS),
            ("offload-compiled", "full", "auto", STEPS_COMPILED))
 CASES += list(OFFLOAD)
 

@@ -14,9 +14,10 @@ GPUs the trainer runs on all of them through the deepspeed launcher; tokens/s is
 full, full + offload, op, auto with half of plain no-AC's peak as budget, the plain-PyTorch and DeepSpeed
 peers, and the same without leaf layers and residency) written to
 `reports/gpu/<device>.md`; then the long-sequence part (memtrain.tools.bench.long_seq) written to
-`reports/gpu/<device>-long.md`. Each set-up's process is killed after `--setup-timeout` seconds (300) and
-the report is rewritten after every set-up; `--resume` keeps what this device's report already measured
-and runs the rest, so a check split across calls on one machine ends in one table. Without a GPU it
+`reports/gpu/<device>-long.md`. Each set-up's process is killed after `--setup-timeout` seconds (300; the
+long part's twice that) and the report is rewritten after every set-up; `--resume` keeps what this
+device's report of the same check already measured and runs the rest of the main table, so a check split
+across calls on one machine ends in one table. Without a GPU it
 says so in one line and exits 0; `make bench` without a GPU runs a tiny CPU smoke pass of the same code
 instead.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -35,7 +37,7 @@ import torch
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.bench.setups import DEFAULT_SETUPS, HELP, parse_setup
-from memtrain.tools.bench.runner import Runner
+from memtrain.tools.bench.runner import TIMED_OUT, Runner
 from memtrain.train.compile_choice import device_slug
 from memtrain.tools.bench.table import gpu_check_markdown, gpu_check_targets, markdown, targets
 
@@ -83,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-check", action="store_true", help="the fixed GPU acceptance run (see the module doc)")
     p.add_argument("--no-long", action="store_true", help="with --gpu-check: skip the long-sequence part")
     p.add_argument("--resume", action="store_true", help="with --gpu-check: keep the set-ups this device's report "
-                   "already measured and run only the others (a run split across calls on the same machine)")
+                   "already measured and run only the others (a run split across calls on the same machine); the "
+                   "long-sequence part runs whole each time, so pass --no-long until the last call")
     p.add_argument("--setup-timeout", type=float, default=None, metavar="S", help="kill a set-up's process after "
                    f"S seconds and go on (default: none; {GPU_CHECK_TIMEOUT_S:g} with --gpu-check)")
     p.add_argument("--out", type=Path, default=None, help="where the table and JSON go "
@@ -107,28 +110,47 @@ def write_gpu_check(out: Path, device: str, title: str, results: list[dict], log
     report = "\n".join([f"## {title}", "", *span, gpu_check_markdown(results), "",
                         "Targets (each a ratio measured in this run):", *gpu_check_targets(results)])
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{device_slug(device)}.md").write_text(report + "\n")
-    (out / f"{device_slug(device)}.json").write_text(json.dumps({"title": title, "results": results}, indent=2))
+    _replace(out / f"{device_slug(device)}.md", report + "\n")
+    _replace(out / f"{device_slug(device)}.json", json.dumps({"title": title, "results": results}, indent=2))
     failed = [r["setup"] for r in results if "tokens_per_s" not in r and not r.get("oom") and r["setup"] in logs]
     if failed:  # what those processes printed, to see why
         (out / "failed.log").write_text("\n\n".join(logs[name] for name in failed))
     return report
 
 
-def measured_before(out: Path, device: str, names: list[str]) -> list[dict]:
+def _replace(path: Path, text: str) -> None:
+    """Written whole or not at all: a check killed mid-write leaves the previous report for --resume."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def measured_before(out: Path, device: str, title: str, names: list[str]) -> list[dict]:
     """`--resume`: the results of this device's report in `out` that measured something (failures run again), in
-    the order `names` gives them."""
+    the order `names` gives them; none, with a line that says why, from a report of another check (its title names
+    the recipe, the GPU count and the device) or one that cannot be read."""
     path = out / f"{device_slug(device)}.json"
     if not path.is_file():
         return []
-    kept = {r["setup"]: r for r in json.loads(path.read_text())["results"] if "tokens_per_s" in r or r.get("oom")}
+    try:
+        report = json.loads(path.read_text())
+        results = report["results"]
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"gpu-check --resume: {path} cannot be read ({e}); measuring every set-up", flush=True)
+        return []
+    if report.get("title") != title:
+        print(f"gpu-check --resume: {path} is the report of another check ({report.get('title')!r}, not {title!r}); "
+              "measuring every set-up", flush=True)
+        return []
+    kept = {r["setup"]: r for r in results if "tokens_per_s" in r or r.get("oom")}
     return [kept[n] for n in names if n in kept] + [r for n, r in kept.items() if n not in names]
 
 
 def same_failure_twice(results: list[dict]) -> bool:
-    """Whether the last two trainer set-ups that ran failed (not out of memory) with the same error."""
+    """Whether the last two trainer set-ups that ran failed (not out of memory, not timed out) with the same error."""
     ran = [r for r in results if r["setup"].startswith(("memtrain:", "deepspeed:")) and "wall_s" in r][-2:]
-    return (len(ran) == 2 and all(r.get("error") and not r.get("oom") for r in ran)
+    return (len(ran) == 2 and all(r.get("error") and not r.get("oom") and not r["error"].startswith(TIMED_OUT)
+                                  for r in ran)
             and ran[0]["error"] == ran[1]["error"])
 
 
@@ -136,16 +158,16 @@ def gpu_check(args) -> None:
     from tqdm import tqdm
 
     names = setup_names(args.setups) if args.setups else list(GPU_CHECK_SETUPS)
+    timeout_s = GPU_CHECK_TIMEOUT_S if args.setup_timeout is None else args.setup_timeout
     if not torch.cuda.is_available():
         print("memtrain gpu-check: no CUDA GPU on this machine; nothing measured (run it where a GPU is).", flush=True)
         return
     ngpus = torch.cuda.device_count()
     device = torch.cuda.get_device_name()
-    run = Runner(DEFAULT_RECIPE, [], args.deepspeed, GPU_CHECK_STEPS, GPU_CHECK_WARMUP, ngpus,
-                 timeout_s=args.setup_timeout or GPU_CHECK_TIMEOUT_S)
-    title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) on {ngpus} x {device}"
+    run = Runner(DEFAULT_RECIPE, [], args.deepspeed, GPU_CHECK_STEPS, GPU_CHECK_WARMUP, ngpus, timeout_s=timeout_s)
+    title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) with {args.deepspeed} on {ngpus} x {device}"
     out = args.out or Path("reports/gpu")
-    results: list[dict] = measured_before(out, device, names) if args.resume else []
+    results: list[dict] = measured_before(out, device, title, names) if args.resume else []
     if results:
         print(f"gpu-check --resume: kept {len(results)} set-ups measured earlier on this device: "
               f"{', '.join(r['setup'] for r in results)}", flush=True)
@@ -188,8 +210,8 @@ def gpu_check(args) -> None:
 
     runners = []
 
-    def make_runner(recipe, ds_path, steps, warmup):
-        runners.append(Runner(recipe, [], ds_path, steps, warmup, 1))
+    def make_runner(recipe, ds_path, steps, warmup):  # long sequences take longer: twice the set-up limit
+        runners.append(Runner(recipe, [], ds_path, steps, warmup, 1, timeout_s=2 * timeout_s))
         return runners[-1]
 
     long_results = run_long_part(make_runner, tqdm.write)
@@ -206,6 +228,10 @@ def main(argv=None) -> None:
     from tqdm import tqdm
 
     args = parser().parse_args(argv)
+    if args.setup_timeout is not None and args.setup_timeout <= 0:
+        raise UserError(f"--setup-timeout: must be positive seconds (got {args.setup_timeout:g})")
+    if args.resume and not args.gpu_check:
+        raise UserError("--resume: continues a --gpu-check run; make bench has nothing to resume")
     if args.gpu_check:
         return gpu_check(args)
     names = setup_names(args.setups or ",".join(DEFAULT_SETUPS))

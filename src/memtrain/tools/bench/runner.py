@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,6 +22,7 @@ from memtrain.tools.sweep_points import free_port
 from memtrain.train.faults import is_oom_text
 
 TRAIN_PY = Path(__file__).resolve().parents[3] / "train.py"
+TIMED_OUT = "timed out"  # a set-up killed after its time limit: its error starts with this
 
 
 class Runner:
@@ -95,7 +99,7 @@ class Runner:
         if "tokens_per_s" in result or result.get("oom"):
             return result
         if proc.returncode is None:
-            result.update(oom=False, error=f"timed out after {self.timeout_s:g} s (killed)")
+            result.update(oom=False, error=f"{TIMED_OUT} after {self.timeout_s:g} s (killed)")
             return result
         text = proc.stderr + proc.stdout
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
@@ -105,30 +109,46 @@ class Runner:
 
 def _run(cmd: list[str], env: dict, pin, timeout_s: Optional[float]) -> subprocess.CompletedProcess:
     """The set-up's process in its own session, so that on timeout the whole group (the launcher's ranks, inductor's
-    compile workers) is killed; returncode None when it was. A SIGTERM to this process (`timeout`, Slurm) or Ctrl-C
-    kills the group too: in its own session it would not get the signal and would hold the GPU on."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=pin,
-                            start_new_session=True)
-    previous = signal.signal(signal.SIGTERM, _exit_on_term)
+    compile workers) is killed; returncode None when it was. A SIGTERM or SIGHUP to this process (`timeout`, Slurm, a
+    closed terminal) or Ctrl-C kills the group too: in its own session it would not get the signal. If this process
+    dies without a word (SIGKILL), the kernel kills the set-up's own process (PR_SET_PDEATHSIG)."""
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)} if main else {}
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=functools.partial(_in_child, pin), start_new_session=True)
         try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes: its output is lost
-            stdout, stderr = "", ""
-        return subprocess.CompletedProcess(cmd, None, stdout, stderr)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+            return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        raise
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes: its output is lost
+                stdout, stderr = "", ""
+            return subprocess.CompletedProcess(cmd, None, stdout, stderr)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
 
 
-def _exit_on_term(signum, frame):
+def _in_child(pin) -> None:
+    """In the set-up's process before it runs: die with the bench (Linux), then the caller's core pinning."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if pin is not None:
+        pin()
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
