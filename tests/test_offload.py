@@ -565,15 +565,20 @@ def test_a_hung_set_up_is_killed_with_its_children_after_the_timeout(tmp_path, m
     assert _gone(_child_pid(tmp_path / "child.pid", limit_s=0))  # written within the 10 s, before the kill
 
 
-def test_sigterm_to_the_bench_kills_the_set_up_it_is_running(tmp_path):
-    """`timeout 540 python -m memtrain.tools.bench ...` signals the bench only; the set-up runs in its own session,
-    so the bench kills it on the way out instead of leaving it on the GPU."""
+def _bench_running_a_hung_set_up(tmp_path):
+    """A bench process (Runner) whose plain-PyTorch set-up hangs: the bench's Popen and the set-up's child's pid."""
     env = sitecustomize_env(tmp_path / "hooks", HANG)
     env["HANG_PID_FILE"] = str(tmp_path / "child.pid")
     script = "from memtrain.tools.bench.runner import Runner; Runner(None, [], 'ds_configs/zero3_ckpt.json', 1, 0, 1)('torch:noac')"
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    child = _child_pid(tmp_path / "child.pid")
+    return proc, _child_pid(tmp_path / "child.pid")
+
+
+def test_sigterm_to_the_bench_kills_the_set_up_it_is_running(tmp_path):
+    """`timeout 540 python -m memtrain.tools.bench ...` signals the bench only; the set-up runs in its own session,
+    so the bench kills it on the way out instead of leaving it on the GPU."""
+    proc, child = _bench_running_a_hung_set_up(tmp_path)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
@@ -585,12 +590,7 @@ def test_a_killed_bench_takes_its_set_up_along(tmp_path):
     session of its own; the kernel does (PR_SET_PDEATHSIG), so no set-up outlives the bench on a GPU."""
     import psutil
 
-    env = sitecustomize_env(tmp_path / "hooks", HANG)
-    env["HANG_PID_FILE"] = str(tmp_path / "child.pid")
-    script = "from memtrain.tools.bench.runner import Runner; Runner(None, [], 'ds_configs/zero3_ckpt.json', 1, 0, 1)('torch:noac')"
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    child = _child_pid(tmp_path / "child.pid")
+    proc, child = _bench_running_a_hung_set_up(tmp_path)
     setup = psutil.Process(child).ppid()
     assert setup != proc.pid and psutil.Process(setup).ppid() == proc.pid
     proc.kill()
