@@ -116,9 +116,10 @@ gpu-wheels: setup
 	  $$(for p in $(GPU_WHEELS); do grep -i "^$$p==" requirements.lock; done)
 	@ls .whl && du -sh .whl
 
-## test: the whole suite (CPU), its files spread over TEST_WORKERS pytest-xdist workers (0: in one process)
+## test: the whole suite (CPU), its files spread over TEST_WORKERS pytest-xdist workers (0: in one process); xdist
+## starts the files with the most tests first, test_zero3_hooks.py's one long launch among them
 test: setup
-	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## test-multinode: two torchrun agents as two nodes on this machine (tests/test_multinode.py); .ci/run runs it after make test
 test-multinode: setup

@@ -18,20 +18,6 @@ FAST = ["--set", "data.seq_len=64", "--set", "train.micro_batch_size=4", "--set"
         "--set", "train.log_every=1"]  # one TensorBoard point per step
 
 
-# `make test` spreads whole files over pytest-xdist workers (--dist loadfile --no-loadscope-reorder: in collection
-# order, not xdist's by number of tests). Longest first
-# (seconds on the 2-core CPU machine, 2026-11-25), so that none of them is left to run alone at the end.
-LONGEST_FIRST = ("test_zero3_hooks.py",  # 155: one launch with every ZeRO-3 case
-                 "test_resume.py", "test_faults.py", "test_slurm.py", "test_long_context.py", "test_planner.py",
-                 "test_ds_corpus.py", "test_run_dir_safety.py", "test_offload.py", "test_tensor_parallel.py",
-                 "test_cluster.py", "test_launcher.py", "test_ac_policies.py", "test_sweep_report.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a file's own order is kept
-
-
 def _env() -> dict:
     env = dict(os.environ)
     # this checkout first; keep what the caller's PYTHONPATH adds (e.g. wheels unpacked beside the image)
