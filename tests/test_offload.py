@@ -587,7 +587,7 @@ def test_sigterm_to_the_bench_kills_the_set_up_it_is_running(tmp_path):
 
 def test_a_killed_bench_takes_its_set_up_along(tmp_path):
     """A bench killed without a word (SIGKILL: the OOM killer, `kill -9`) cannot kill its set-up, which runs in a
-    session of its own; the kernel does (PR_SET_PDEATHSIG), so no set-up outlives the bench on a GPU."""
+    session of its own; the kernel kills the set-up's own process (PR_SET_PDEATHSIG), not what that one started."""
     import psutil
 
     proc, child = _bench_running_a_hung_set_up(tmp_path)

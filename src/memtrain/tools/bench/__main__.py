@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -38,6 +37,7 @@ from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.bench.setups import DEFAULT_SETUPS, HELP, parse_setup
 from memtrain.tools.bench.runner import TIMED_OUT, Runner
+from memtrain.train.checkpoint import atomic_write_text
 from memtrain.train.compile_choice import device_slug
 from memtrain.tools.bench.table import gpu_check_markdown, gpu_check_targets, markdown, targets
 
@@ -110,19 +110,13 @@ def write_gpu_check(out: Path, device: str, title: str, results: list[dict], log
     report = "\n".join([f"## {title}", "", *span, gpu_check_markdown(results), "",
                         "Targets (each a ratio measured in this run):", *gpu_check_targets(results)])
     out.mkdir(parents=True, exist_ok=True)
-    _replace(out / f"{device_slug(device)}.md", report + "\n")
-    _replace(out / f"{device_slug(device)}.json", json.dumps({"title": title, "results": results}, indent=2))
+    # whole or not at all: a check killed mid-write leaves the previous report for --resume
+    atomic_write_text(out / f"{device_slug(device)}.md", report + "\n")
+    atomic_write_text(out / f"{device_slug(device)}.json", json.dumps({"title": title, "results": results}, indent=2))
     failed = [r["setup"] for r in results if "tokens_per_s" not in r and not r.get("oom") and r["setup"] in logs]
     if failed:  # what those processes printed, to see why
         (out / "failed.log").write_text("\n\n".join(logs[name] for name in failed))
     return report
-
-
-def _replace(path: Path, text: str) -> None:
-    """Written whole or not at all: a check killed mid-write leaves the previous report for --resume."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def measured_before(out: Path, device: str, title: str, names: list[str]) -> list[dict]:

@@ -23,6 +23,7 @@ from memtrain.train.faults import is_oom_text
 
 TRAIN_PY = Path(__file__).resolve().parents[3] / "train.py"
 TIMED_OUT = "timed out"  # a set-up killed after its time limit: its error starts with this
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Runner:
@@ -143,9 +144,6 @@ def _in_child(pin) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if pin is not None:
         pin()
-
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _exit_on_signal(signum, frame):
