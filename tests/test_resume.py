@@ -4,6 +4,7 @@ Attention dropout is on, so every step draws from the torch RNG: a resume that d
 RNG streams would draw other masks and lose bit-equality from the first resumed step. The first test's layers are
 compiled (train.compile), whose dropout draws inside the compiled region."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -72,8 +73,16 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
     assert 3 <= stop_step < STEPS, summary
     assert (split / "checkpoints" / "latest").read_text() == tag_for(stop_step)
 
-    resumed = run_train([*ARGS, "--run-dir", str(split), "--resume"], nproc=2)
+    # --resume alone continues the run as it was started (every flag above is in its config.json); a flag given
+    # changes it and is listed in one line
+    resumed = run_train(["--run-dir", str(split), "--resume", "--set", "train.save_interval=4"], nproc=2)
     assert_ok(resumed)
+    assert [line for line in resumed.stdout.splitlines() if line.startswith("resume overrides:")] == [
+        "resume overrides: recipe: train.save_interval 3 -> 4"]
+    config = json.loads((split / "config.json").read_text())
+    assert config["recipe"]["train"]["save_interval"] == 4 and config["resume_changes"] == [
+        "recipe: train.save_interval 3 -> 4"]
+    assert [c["recipe"]["train"]["save_interval"] for c in config["earlier_segments"]] == [3]  # the first segment's
     summary = json.loads((split / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert len(list((split / "tb").glob("events.out.tfevents.*"))) == 2  # the resumed run appended its own
@@ -104,6 +113,56 @@ def test_stop_signal_on_one_rank_stops_all_within_two_steps_and_a_last_step_stop
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6
     assert (run / "final" / "config.json").is_file()
+
+
+def test_sigterm_to_the_launcher_alone_stops_every_rank_within_two_steps(tmp_path):
+    """SIGTERM to the `deepspeed` runner's own process (as `timeout`, Kubernetes or a CI runner send it), right after
+    step 4's optimizer step: DeepSpeed's runner dies of it and forwards nothing, yet both ranks stop by step 6, save,
+    say preempted, and no process of the launch remains."""
+    from conftest import _engine_step_hook_env
+
+    run = tmp_path / "run"
+    env = _engine_step_hook_env(tmp_path, "kill-runner", 4, (
+        "if os.environ.get('RANK') == '0':\n"
+        "    import psutil\n"
+        "    os.kill(psutil.Process(os.getppid()).ppid(), signal.SIGTERM)"))  # rank -> launch.py -> the runner
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(_free_port()),
+           str(TRAIN), *FAST, "--max-steps", "40", "--set", "train.log_every=1000", "--run-dir", str(run)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)  # EOF: every process holding the pipes (launch.py, ranks) ended
+        left = _session(proc.pid)
+    finally:
+        _kill_session(proc.pid)
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert left == [], "a process of the launch outlived its launcher"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGTERM", summary
+    assert 4 < summary["steps"] <= 6, summary
+    assert (run / "checkpoints" / "latest").read_text() == tag_for(summary["steps"])
+    assert ", which launched this rank, has ended: stopping as on SIGTERM (every rank saves and exits)" in err
+    assert "Traceback" not in err
+
+
+def _session(sid: int) -> list[psutil.Process]:
+    """The processes of session `sid` that have not ended (a zombie has: it waits only to be reaped)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return found
+
+
+def _kill_session(sid: int) -> None:
+    for p in _session(sid):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def test_stop_signal_during_start_up_ends_preempted_and_the_requeue_starts_cleanly(tmp_path):

@@ -183,6 +183,7 @@ def test_resume_refuses_or_falls_back_on_each_damaged_file(finished, tmp_path):
 
     run = tmp_path / "other-shape"
     shutil.copytree(finished, run)
+    (run / "config.json").unlink()  # no saved inputs to compare with: the checkpoint's shapes are the check
     with pytest.raises(UserError) as e:
         _resume_check(run, "--max-steps", "6", "--set", "model.config.intermediate_size=256")
     assert str(e.value) == (f"--resume: {run / 'checkpoints' / tag_for(4)}/zero_pp_rank_0_mp_rank_00_model_states.pt:"
@@ -208,8 +209,8 @@ def test_resume_past_damaged_checkpoints_equals_the_run(finished, tmp_path):
     assert_ok(proc)
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: --resume")]
     assert warnings == [
-        f"warning: --resume: {run / 'config.json'} is damaged ({cut_error}); not needed to resume, it is rewritten "
-        "from this launch's inputs",
+        f"warning: --resume: {run / 'config.json'} is damaged ({cut_error}), so the run's own recipe and JSON are "
+        "unknown: this segment runs with this launch's flags as given, and config.json is rewritten from them",
         f"warning: --resume: model checkpoint {checkpoints / tag_for(4)} is damaged (zero_pp_rank_0_mp_rank_00_optim_states.pt "
         f"(truncated or corrupt (5000 bytes: File is not a zip file))); skipped, resuming from {tag_for(2)}; it is "
         f"moved to .damaged-{tag_for(4)}",
@@ -229,3 +230,45 @@ def test_resume_past_damaged_checkpoints_equals_the_run(finished, tmp_path):
         "checkpoint is at step 4 and train.max_steps is 4; its results are kept as they are (pass a larger "
         "--max-steps to train further, or use a new --run-dir)"]
     assert _snapshot(run) == before
+
+
+def test_resume_continues_with_the_runs_saved_inputs(finished, tmp_path):
+    """--resume alone takes the recipe and JSON the run was started with (not the defaults); flags given change them
+    and are listed; a change to what the model checkpoints hold is one line, before anything is written."""
+    run = _copy(finished, tmp_path)
+    saved = json.loads((run / "config.json").read_text())
+    ds_file = ROOT / "ds_configs" / "zero3_ckpt.json"
+    assert saved["deepspeed_as_written"] == json.loads(ds_file.read_text()) and saved["earlier_segments"] == []
+
+    alone = parse_args(["--run-dir", str(run), "--resume"])
+    assert alone.recipe.model_dump(mode="json") == saved["recipe"]  # seq_len 64, 4 steps, save_interval 2: not defaults
+    assert (alone.recipe.data.seq_len, alone.recipe.train.max_steps, alone.recipe.train.save_interval) == (64, 4, 2)
+    assert alone.ds_config == saved["deepspeed_as_written"] and alone.resume_changes == ()
+    assert check_run(parse_args(["--run-dir", str(run), "--resume", "--max-steps", "6"]), 1).plan is not None
+
+    changed = parse_args(["--run-dir", str(run), "--resume", "--max-steps", "6", "--set", "train.lr=0.001"])
+    assert changed.resume_changes == ("recipe: train.lr 0.003 -> 0.001", "recipe: train.max_steps 4 -> 6")
+    assert (changed.recipe.train.max_steps, changed.recipe.data.seq_len) == (6, 64)
+    same = parse_args([*RUN_ARGS, "--deepspeed", str(ds_file), "--run-dir", str(run), "--resume"])
+    assert same.resume_changes == ()  # the flags repeated (as slurm/train.sbatch and sweeps do) change nothing
+
+    before = _snapshot(run)
+    refused = {
+        ("--set", "model.lora.r=8"): "model.lora: (unset) -> {",
+        ("--set", "model.config.intermediate_size=256"): "model.config.intermediate_size: 352 -> 256 (--set)",
+        ("--set", "train.trainable=[lm_head.weight]"): 'train.trainable: [] -> ["lm_head.weight"] (--set)',
+        ("--deepspeed", str(ROOT / "ds_configs" / "zero2_ckpt.json")): "zero_optimization.stage: 3 -> 2 (--deepspeed)",
+    }
+    for flags, shown in refused.items():
+        with pytest.raises(UserError) as e:
+            parse_args(["--run-dir", str(run), "--resume", "--max-steps", "6", *flags])
+        assert str(e.value).startswith(f"--resume: {shown}"), str(e.value)
+        assert str(e.value).endswith(f"changes what the run's model checkpoints hold; keep the run's value "
+                                     f"({run / 'config.json'}) or train into a new --run-dir"), str(e.value)
+    assert _snapshot(run) == before
+
+    # a config.json written before it held the JSON as written: the JSON is read again from the path the run used
+    del saved["deepspeed_as_written"]
+    (run / "config.json").write_text(json.dumps(saved))
+    old = parse_args(["--run-dir", str(run), "--resume"])
+    assert old.ds_config == json.loads(ds_file.read_text()) and old.recipe.train.max_steps == 4

@@ -10,6 +10,7 @@ from typing import Optional
 from memtrain.errors import ArgumentParser, UserError
 from memtrain.config.recipe import Recipe, load_recipe
 from memtrain.config.ds_config import load_ds_config
+from memtrain.config.saved_run import SavedRun, read_saved, resume_changes
 
 DEFAULT_DS_CONFIG = "ds_configs/zero3_ckpt.json"
 
@@ -24,6 +25,7 @@ class RunArgs:
     overwrite: bool
     recipe_path: Optional[str] = None  # None: the embedded default recipe
     world_size: Optional[int] = None  # --world-size of the tools that check a run before it starts
+    resume_changes: tuple[str, ...] = ()  # --resume: what this launch changes of the run's saved inputs
 
 
 def _path(text: str) -> Path:
@@ -43,14 +45,17 @@ def parser(prog: str = "train.py", description: str = TRAIN_DESCRIPTION,
     if world_size is not None:
         p.add_argument("--world-size", type=int, default=world_size,
                        help=f"ranks the run will have, all nodes together (default: {world_size})")
-    p.add_argument("--deepspeed", default=DEFAULT_DS_CONFIG, metavar="JSON",
-                   help=f"DeepSpeed config (default: {DEFAULT_DS_CONFIG})")
-    p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
+    p.add_argument("--deepspeed", metavar="JSON",
+                   help=f"DeepSpeed config (default: {DEFAULT_DS_CONFIG}; with --resume, the run's own)")
+    p.add_argument("--recipe", metavar="YAML",
+                   help="recipe file (default: the embedded tiny recipe; with --resume, the run's own)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a recipe key, e.g. --set activation_checkpointing.policy=every:2")
     p.add_argument("--run-dir", type=_path, help="run directory (default: runs/<recipe>-<timestamp>)")
     p.add_argument("--max-steps", type=int, help="shorthand for --set train.max_steps=N")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its latest model checkpoint, with the recipe and JSON it "
+                        "was started with; flags given change them (listed in one line)")
     p.add_argument("--overwrite", action="store_true", help="allow reusing a run directory that holds a run")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)), help=argparse.SUPPRESS)
     return p
@@ -65,11 +70,25 @@ def parse_args(argv: Optional[list[str]] = None, flags: Optional[argparse.Argume
     overrides = list(args.overrides)
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
-    recipe = load_recipe(args.recipe, overrides)
-    ds_config = load_ds_config(args.deepspeed)
     if args.resume and args.run_dir is None:
         raise UserError("--resume: needs --run-dir naming the run to continue")
-    return RunArgs(recipe, ds_config, args.deepspeed, args.run_dir, args.resume, args.overwrite, args.recipe,
-                   world_size)
+    saved = read_saved(args.run_dir) if args.resume else None
+    if saved is None:
+        ds_path = args.deepspeed or DEFAULT_DS_CONFIG
+        return RunArgs(load_recipe(args.recipe, overrides), load_ds_config(ds_path), ds_path, args.run_dir,
+                       args.resume, args.overwrite, args.recipe, world_size)
+    return _resumed(args, overrides, saved, world_size)
+
+
+def _resumed(args: argparse.Namespace, overrides: list[str], saved: SavedRun, world_size: Optional[int]) -> RunArgs:
+    """--resume continues the run that was started: its saved recipe and JSON, changed only by what this command line
+    gives (a --recipe or --deepspeed file replaces the saved one; --set and --max-steps apply on top)."""
+    recipe = load_recipe(args.recipe, overrides, saved=(f"{saved.path}'s recipe", saved.recipe))
+    ds_path = args.deepspeed or saved.ds_config_path or DEFAULT_DS_CONFIG
+    # a config.json older than deepspeed_as_written: the JSON is read again from where the run read it
+    ds_config = load_ds_config(ds_path) if args.deepspeed or saved.ds_config is None else saved.ds_config
+    found = resume_changes(saved, recipe.model_dump(), ds_config)
+    return RunArgs(recipe, ds_config, ds_path, args.run_dir, True, args.overwrite,
+                   args.recipe or f"{saved.path}'s recipe", world_size, tuple(found))
 
 

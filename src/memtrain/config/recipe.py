@@ -297,7 +297,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise UserError(f"--set {item!r}: empty key in path '{path}'")
         node = data
         for k in keys[:-1]:
-            child = node.setdefault(k, {})
+            if node.get(k) is None:  # absent, or an optional section left unset (model.lora: null)
+                node[k] = {}
+            child = node[k]
             if not isinstance(child, dict):
                 raise UserError(f"--set {path}: '{k}' is not a section")
             node = child
@@ -323,11 +325,15 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_recipe(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Recipe:
-    """Load a recipe file (or the embedded default), apply overrides and validate."""
+def load_recipe(path: Optional[str] = None, overrides: Optional[list[str]] = None,
+                saved: Optional[tuple[str, dict]] = None) -> Recipe:
+    """Load a recipe file (or `saved`: (its source, a recipe as a run saved it), or else the embedded default),
+    apply overrides and validate."""
     import copy
 
-    if path:
+    if saved is not None and not path:
+        source, data = saved[0], copy.deepcopy(saved[1])
+    elif path:
         data = load_yaml(path)
         data.setdefault("name", Path(path).stem)
         source = str(path)

@@ -27,9 +27,10 @@ def check_resume(run_dir: Path, world_size: int, max_steps: int) -> checkpoint.R
         json.loads(config.read_text(encoding="utf-8"))
     except FileNotFoundError:
         pass
-    except (OSError, ValueError) as e:  # not needed to resume: the world size comes from the checkpoint
-        point.notes.append(f"--resume: {config} is damaged ({str(e).splitlines()[0]}); not needed to resume, "
-                           "it is rewritten from this launch's inputs")
+    except (OSError, ValueError) as e:  # the world size comes from the checkpoint; the inputs from this command line
+        point.notes.append(f"--resume: {config} is damaged ({str(e).splitlines()[0]}), so the run's own recipe and JSON "
+                           "are unknown: this segment runs with this launch's flags as given, and config.json is "
+                           "rewritten from them")
     latest, free = checkpoint_dir / point.tag, checkpoint.free_bytes(checkpoint_dir)
     needed = checkpoint.dir_bytes(latest)
     if free < needed and point.step < max_steps:  # its next save would not fit

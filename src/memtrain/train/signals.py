@@ -5,10 +5,17 @@ so a signal during start-up is recorded rather than killing the process with the
 action (or being dropped: under Slurm's launcher the workers inherit SIGUSR1 ignored). The trainer
 asks `received()` once before its first step (a start-up stop ends the run as preempted with nothing
 saved), and `StopAgreement` once per step after it.
+
+A launcher that ends while its ranks train counts as a stop too (`watch_launchers`): DeepSpeed's `deepspeed` runner
+forwards no signal to the `launch.py` below it, so a SIGTERM to the runner alone (`timeout`, Kubernetes, a CI
+runner, `kill <pid>`) would leave the ranks training on their own.
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 from typing import Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -21,9 +28,104 @@ def _handler(signum, frame) -> None:
 
 
 def install() -> None:
-    """Record the first stop signal instead of dying of it (idempotent)."""
+    """Record the first stop signal instead of dying of it, and watch the launchers above this rank (idempotent)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, _handler)
+    watch_launchers()
+
+
+# What starts ranks and can end without taking them along: DeepSpeed's runner (`deepspeed`) and its `launch.py`,
+# torchrun's agent, and `make train` above them. A shell or `nohup` is none of these: a run outlives the
+# terminal it was started from, as before.
+_LAUNCHER_MODULES = ("deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
+                     "torch.distributed.launch")
+_LAUNCHER_PROGRAMS = ("deepspeed", "torchrun", "make", "gmake")
+_watching: list = []
+
+
+def launcher_name(cmdline: list[str]) -> Optional[str]:
+    """The launcher `cmdline` (a process's argv) runs, directly or as a Python script or module; None for others."""
+    if not cmdline:
+        return None
+    program = os.path.basename(cmdline[0])
+    if program in _LAUNCHER_PROGRAMS:
+        return program
+    if not program.startswith("python"):
+        return None
+    args = iter(cmdline[1:])
+    for arg in args:
+        if arg == "-m":
+            module = next(args, "")
+            return module if module in _LAUNCHER_MODULES else None
+        if arg == "-c":  # a command, no script
+            return None
+        if arg in ("-W", "-X"):  # flags with a value
+            next(args, None)
+        elif not arg.startswith("-"):
+            return os.path.basename(arg) if os.path.basename(arg) in _LAUNCHER_PROGRAMS else None
+    return None
+
+
+def launchers() -> list[tuple]:
+    """(psutil.Process, its launcher's name) for each launcher above this process, parent first, up to the first
+    process that is none."""
+    import psutil
+
+    chain = []
+    try:
+        proc = psutil.Process().parent()
+        while proc is not None and proc.pid > 1 and (name := launcher_name(proc.cmdline())):
+            chain.append((proc, name))
+            proc = proc.parent()
+    except psutil.Error:  # one ended already, or is not ours to read: watch what was found
+        pass
+    return chain
+
+
+def watch_launchers() -> None:
+    """A daemon thread that records a stop (as SIGTERM) the moment a launcher above this rank ends, so every rank
+    saves and exits within two steps, and no rank outlives its launcher. It blocks on the launchers' pidfds (Linux
+    5.3+: no polling; a launcher that ended but is not yet reaped counts as ended), else looks once a second."""
+    if _watching:
+        return
+    chain = launchers()
+    _watching.append(chain)
+    if chain:
+        threading.Thread(target=_watch, args=(chain,), name="memtrain-launcher-watch", daemon=True).start()
+
+
+def _watch(chain: list[tuple]) -> None:
+    proc, name = _wait_for_first_end(chain)
+    if not _received:
+        _received.append(signal.SIGTERM.name)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"memtrain: {name} (pid {proc.pid}), which launched this rank, has ended: stopping as on SIGTERM "
+              "(every rank saves and exits)", file=sys.stderr, flush=True)
+
+
+def _wait_for_first_end(chain: list[tuple]) -> tuple:
+    import select
+    import time
+
+    import psutil
+
+    try:
+        fds = {os.pidfd_open(proc.pid): (proc, name) for proc, name in chain}
+    except (AttributeError, OSError):
+        fds = {}
+    if fds and all(proc.is_running() for proc, _ in chain):  # each pidfd is the process found, not a reused pid
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        return fds[poller.poll()[0][0]]
+    while True:
+        for proc, name in chain:
+            try:
+                if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                    return proc, name
+            except psutil.Error:
+                return proc, name
+        time.sleep(1.0)
 
 
 def received() -> Optional[str]:

@@ -21,6 +21,7 @@ from memtrain.train import checkpoint
 from memtrain.train import run_dir as run_dirs
 from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
+from memtrain.config.saved_run import CONFIG_FILE
 from memtrain.model.chat_data import PackedChat, report_line
 from memtrain.model.data import PackedData, RandomTokens, prepare_data, to_device
 from memtrain.model.freeze import freeze
@@ -274,7 +275,10 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
         if args.overwrite:  # the earlier run moves aside; deleted once this run saved a model checkpoint
             run_dirs.set_aside(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_config(run_dir, args, ds_config, world, plan)
+        earlier = _earlier_segments(run_dir) if args.resume else []
+        _write_config(run_dir, args, ds_config, world, plan, earlier)
+        if args.resume_changes:  # --resume continues the run's saved inputs; what this launch changes of them
+            print(f"resume overrides: {'; '.join(args.resume_changes)}", flush=True)
         print(plan.describe(), flush=True)
         for line in checked.zero3.lines:
             print(f"  {line}", flush=True)
@@ -298,7 +302,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     if rank == 0:
         print("\n".join(longctx.lines), flush=True)
         if number_changed:  # number_checkpoints "auto": the modules matched are known now
-            _write_config(run_dir, args, ds_config, world, plan)
+            _write_config(run_dir, args, ds_config, world, plan, earlier)
     return _Run(args, world, rank, checked, plan, memory_plan, run_dir, predicted_peak, data, agreement, engine,
                 longctx, layout, compiled.on)
 
@@ -616,12 +620,28 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
     return engine, longctx, layout, changed
 
 
-def _write_config(run_dir: Path, args: RunArgs, ds_config: dict, world: int, plan) -> None:
-    """config.json: the recipe and the resolved DeepSpeed JSON (every "auto" filled) this run uses."""
+def _write_config(run_dir: Path, args: RunArgs, ds_config: dict, world: int, plan, earlier: list) -> None:
+    """config.json: the recipe and the resolved DeepSpeed JSON (every "auto" filled) this run segment uses, the JSON
+    as written (what a `--resume` continues with: memtrain.config.saved_run), and each earlier segment's record."""
     record = {"recipe": args.recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
-              "world_size": world, "ac_plan": plan.to_dict()}
+              "deepspeed_as_written": args.ds_config, "world_size": world, "ac_plan": plan.to_dict()}
     record.update(own_sections(ds_config, args.recipe))  # what memtrain builds for missing sections
-    checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(record, indent=2))
+    if args.resume:
+        record["resume_changes"] = list(args.resume_changes)
+    record["earlier_segments"] = earlier
+    checkpoint.atomic_write_text(run_dir / CONFIG_FILE, json.dumps(record, indent=2))
+
+
+def _earlier_segments(run_dir: Path) -> list:
+    """A resumed run's config.json records, oldest first, before this segment's replaces it (a damaged one is none)."""
+    try:
+        record = json.loads((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(record, dict):
+        return []
+    earlier = record.pop("earlier_segments", [])
+    return (earlier if isinstance(earlier, list) else []) + [record]
 
 
 def _recompute_flops(config, seq_len: int, plan) -> Optional[float]:
