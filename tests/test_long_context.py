@@ -363,7 +363,7 @@ def test_plan_max_seq(capsys):
     from memtrain.tools import plan as plan_cli
 
     plan_cli.main(["--json", "--max-seq", "--budget", "1GiB", "--host-budget", "40MiB", "--ngpus", "2",
-                   "--set", "model.config.vocab_size=32000"])
+                   "--set", "model.config.vocab_size=32000", "--set", "model.config.max_position_embeddings=1048576"])
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert len(rows) == 3 * 2 * 2 * 2  # policies x losses x tiled x SP sizes (1, 2)
     at = {(r["policy"], r["loss"], r["tiled_mlp"], r["sequence_parallel"]): r for r in rows}
@@ -374,3 +374,18 @@ def test_plan_max_seq(capsys):
     offload = at["full+offload", "fused", "auto", 1]
     assert offload["runs_out_first"] == "host" and offload["host_gib"] <= 40 / 1024
     assert at["full", "fused", 0, 1]["runs_out_first"] == "device"
+
+
+def test_plan_max_seq_stops_at_the_models_positions(capsys):
+    """The tiny recipe's model takes 256 positions: --max-seq offers no longer sequence (the trainer would refuse it),
+    names the model's limit as what binds, and says what would lift it."""
+    from memtrain.tools import plan as plan_cli
+
+    plan_cli.main(["--json", "--max-seq", "--budget", "1GiB", "--ngpus", "2"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["position_limit"] == 256 and max(r["max_seq"] for r in report["rows"]) == 256
+    assert {r["runs_out_first"] for r in report["rows"] if r["max_seq"] == 256} == {
+        "neither: the model's 256 positions bind"}
+    plan_cli.main(["--max-seq", "--budget", "1GiB", "--ngpus", "1"])
+    assert ("(no sequence above the model's max_position_embeddings (256), which the trainer refuses; a longer context "
+            "needs RoPE scaling: model.config.rope_parameters") in capsys.readouterr().out

@@ -99,6 +99,8 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
     probe = [hidden * k for k in (32, 64)]  # per-rank tokens measured (multiples of hidden: whole slices)
     losses = ["standard"] + ([] if fused_unsupported(config) else ["fused"])
     skip_last = recipe.activation_checkpointing.offload_skip_last
+    positions = getattr(config, "max_position_embeddings", None)  # the trainer refuses a longer data.seq_len
+    limit = min(limit, positions) if positions else limit
     ranks_per_node = min(world, RANKS_PER_NODE)
     rows = []
     for loss in losses:
@@ -127,11 +129,25 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
                            "peak_at": pred(tokens).phase if tokens else None,
                            "host_gib": host(tokens) / GIB if tokens else None}
                     if tokens == limit // sp:
-                        row["runs_out_first"] = f"neither below {limit} tokens"
+                        row["runs_out_first"] = (f"neither: the model's {positions} positions bind" if limit == positions
+                                                 else f"neither below {limit} tokens")
                     rows.append(row)
     return {"recipe": recipe.name, "world_size": world, "device": base.device, "dtype": base.dtype,
             "budget_gib": budget / GIB, "host_budget_gib": host_budget / GIB, "ranks_per_node": ranks_per_node,
-            "probe_tokens_per_rank": probe, "rows": rows}
+            "probe_tokens_per_rank": probe, "position_limit": positions, "position_note": position_note(config),
+            "rows": rows}
+
+
+def position_note(config) -> Optional[str]:
+    """What bounds every sequence of this model, and what would lift it."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)
+    lift = ("a longer context needs RoPE scaling: model.config.rope_parameters (e.g. rope_type yarn or linear with a "
+            "factor) and a larger model.config.max_position_embeddings" if rope else
+            "its positions are learned embeddings, so a longer context needs a model trained with more")
+    return f"no sequence above the model's max_position_embeddings ({positions:,}), which the trainer refuses; {lift}"
 
 
 def format_max_seq(r: dict) -> str:
@@ -152,4 +168,6 @@ def format_max_seq(r: dict) -> str:
     lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows]
     lines.append("(max seq: the longest sequence whose predicted peak fits the device budget and whose offloaded "
                  "inputs and offloaded model states fit the host budget; a predicted figure, not a measured one)")
+    if r.get("position_note"):
+        lines.append(f"({r['position_note']})")
     return "\n".join(lines)
