@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, _env
 from memtrain.errors import UserError
 from memtrain.units import parse_size
 from memtrain.tools.report import after_warmup_medians, gather, write_report
@@ -107,6 +107,17 @@ def test_budget_parsing_and_sweep_file_errors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="s.yaml: unknown key 'grdi'"):
         (tmp_path / "s.yaml").write_text("grid: {train.max_steps: [1]}\ngrdi: {}\n")
         load_sweep(tmp_path / "s.yaml")
+
+
+def test_report_of_a_sweep_that_never_ran_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = _sweep_file(tmp_path, {"train.micro_batch_size": [2, 4]})
+    proc = subprocess.run([sys.executable, "-m", "memtrain", "report", str(path)], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [
+        f"memtrain: error: {path}: no point of sweep 's' has run (runs/s holds none of its 2 points); run them first: "
+        f"make sweep SWEEP={path}"]), proc.stderr
+    assert not (tmp_path / "reports").exists()
 
 
 def test_point_ids_args_and_resumability(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.errors import ArgumentParser, cli_entry
+from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.tools.sweep_points import DEFAULT_SWEEP, DS_KEY, Point, Sweep, load_sweep, read_summary, short_names
 from memtrain.tools.tb import read_scalars
 from memtrain.units import GIB, parse_size
@@ -302,9 +302,12 @@ def plot_activation_memory(sweep: Sweep, rows: list[dict], swept: list[str], pat
 # --------------------------------------------------------------------------- command line
 
 def write_report(sweep: Sweep, budget: Optional[float] = None, out_root: Path = Path("reports")) -> Path:
+    rows, mem = gather(sweep)
+    if all(r["status"] == "not run" for r in rows):  # empty tables and plots with meaningless axes: nothing to show
+        raise UserError(f"{sweep.path}: no point of sweep '{sweep.name}' has run ({sweep.runs_dir} holds none of its "
+                        f"{len(rows)} points); run them first: make sweep SWEEP={sweep.path}")
     out = out_root / sweep.name
     out.mkdir(parents=True, exist_ok=True)
-    rows, mem = gather(sweep)
     swept = list(short_names(list(sweep.points[0].values)).values())
     write_csv(rows, swept, out / "summary.csv")
     write_markdown(sweep, rows, swept, mem, budget, out / "summary.md")
