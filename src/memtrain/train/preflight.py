@@ -436,6 +436,11 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     warnings += [f"{source}: activation_checkpointing.{key}: true is ignored by the torch backend (DeepSpeed's "
                  "checkpoint honours it: set activation_checkpointing.backend: deepspeed in the recipe)"
                  for key in spec.ignored_by_torch]
+    if trained and not recipe.model.pretrained:
+        which = "model.lora" if recipe.model.lora else "train.trainable" if recipe.train.trainable else "train.frozen"
+        warnings.append(f"{which}: the base model is randomly initialised (no model.pretrained), so the weights that "
+                        "train adapt noise: this fine-tunes nothing; set model.pretrained to a local transformers "
+                        "directory (fine for testing the pipeline)")
     if memory_plan is None and recipe.activation_checkpointing.memory_budget is not None:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")
     experts = experts_line(config, compute_dtype(args.ds_config, run_device()))
