@@ -25,7 +25,7 @@ export PYTHONWARNINGS := ignore::FutureWarning
 # keep invalidating each other's build.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-RECIPE_ARG := $(if $(RECIPE),--recipe $(RECIPE),)
+RECIPE_ARG := $(if $(RECIPE),--recipe "$(RECIPE)",)
 
 .PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host gpu-check gpu-wheels plan explain
 
@@ -45,17 +45,17 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 # and no launcher or worker starts. The launcher gets DeepSpeed's accelerator named (its auto-detection logs a
 # warning in each launcher process; memtrain's own entry points name it the same way, memtrain.errors).
 train: setup
-	$(BIN)/python -m memtrain preflight --world-size $(NPROC) --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
+	$(BIN)/python -m memtrain preflight --world-size $(NPROC) --deepspeed "$(DS)" $(RECIPE_ARG) $(ARGS)
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-$$($(BIN)/python -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')} \
-	  $(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
+	  $(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py --deepspeed "$(DS)" $(RECIPE_ARG) $(ARGS)
 
 ## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points)
 sweep: setup
-	$(BIN)/python -m memtrain sweep $(SWEEP) $(if $(filter 1 yes true,$(FORCE)),--force) $(if $(LAUNCHER),--launcher $(LAUNCHER))
+	$(BIN)/python -m memtrain sweep "$(SWEEP)" $(if $(filter 1 yes true,$(FORCE)),--force) $(if $(LAUNCHER),--launcher $(LAUNCHER))
 
 ## report: SWEEP's runs (TensorBoard) -> reports/<sweep>/summary.{md,csv} + plots; BUDGET=40GiB names the best point that fits
 report: setup
-	$(BIN)/python -m memtrain report $(SWEEP) $(if $(BUDGET),--budget=$(BUDGET))
+	$(BIN)/python -m memtrain report "$(SWEEP)" $(if $(BUDGET),--budget="$(BUDGET)")
 
 ## ac-profile: one measured CPU step per AC policy on RECIPE's model -> table + reports/ac_profile.csv (ARGS: e.g. --policies full,op)
 ac-profile: setup
@@ -64,12 +64,12 @@ ac-profile: setup
 ## plan: predicted peak memory per device of RECIPE under DS, per AC policy (fake tensors: seconds on CPU);
 ## BUDGET=40GiB adds max micro-batch/sequence and the auto plan; NGPUS= world size; DEVICE=cuda plans for GPUs; ARGS: --json
 plan: setup
-	$(BIN)/python -m memtrain plan --deepspeed $(DS) $(RECIPE_ARG) $(if $(BUDGET),--budget=$(BUDGET)) \
+	$(BIN)/python -m memtrain plan --deepspeed "$(DS)" $(RECIPE_ARG) $(if $(BUDGET),--budget="$(BUDGET)") \
 	  $(if $(NGPUS),--ngpus $(NGPUS)) $(if $(DEVICE),--device $(DEVICE)) $(ARGS)
 
 ## explain: one line per key of DS (a DeepSpeed JSON) under RECIPE: filled from the recipe, in effect, a no-op here, or rejected
 explain: setup
-	$(BIN)/python -m memtrain explain-config --world-size $(NPROC) --deepspeed $(DS) $(RECIPE_ARG) $(ARGS)
+	$(BIN)/python -m memtrain explain-config --world-size $(NPROC) --deepspeed "$(DS)" $(RECIPE_ARG) $(ARGS)
 
 ## slurm-submit: slurm/train.sbatch on NODES whole nodes x GPUS GPUs (GPUS=0: NPROC CPU ranks per node); TIME= PARTITION= ACCOUNT= optional
 slurm-submit: setup

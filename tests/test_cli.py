@@ -45,3 +45,17 @@ def test_makefile_targets_use_the_front_door():
     for name in ("preflight", "plan", "explain-config", "ac-profile", "sweep", "report", "bench", "gpu-check",
                  "bench-host"):
         assert f"python -m memtrain {name} " in makefile, name
+
+
+def test_make_variables_with_spaces_stay_one_argument():
+    """`make report BUDGET="40 GB"` (and paths with spaces): each variable reaches the command as one argument."""
+    import shlex
+
+    dry = subprocess.run(["make", "-n", "report", "plan", "BUDGET=40 GB", "SWEEP=my sweeps/s.yaml", "DS=my ds.json",
+                          "RECIPE=my recipe.yaml"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.replace("\\\n", " ").splitlines()  # make -n prints a recipe's continued lines as written
+    report, plan = [shlex.split(line) for line in lines if " -m memtrain " in line]
+    assert report[report.index("report") + 1] == "my sweeps/s.yaml" and "--budget=40 GB" in report
+    assert "--budget=40 GB" in plan and plan[plan.index("--deepspeed") + 1] == "my ds.json"
+    assert plan[plan.index("--recipe") + 1] == "my recipe.yaml"

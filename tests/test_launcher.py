@@ -35,7 +35,8 @@ def test_default_job_trains_and_writes_run_dir(runs):
     assert config["deepspeed"]["train_batch_size"] == 16  # "auto" filled: 8 per rank x 2 ranks
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step00000040"
     assert "AC plan: policy 'full', 4/4 layers recomputed" in proc.stdout
-    assert f"TensorBoard logs: {run_dir / 'tb'}" in proc.stdout
+    assert f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'}); model: {run_dir / 'final'}" \
+        in proc.stdout
     # a clean run is quiet: the plan, the bar, the summary; no warning about the shipped JSON
     assert not [line for line in proc.stdout.splitlines() if line.startswith("warning:")], proc.stdout
     # ZeRO-3 leaf layers (memtrain.config.zero3); two data-parallel ranks: not resident

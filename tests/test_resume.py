@@ -131,8 +131,10 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_within_two_steps(tmp_pat
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=300)  # EOF: every process holding the pipes (launch.py, ranks) ended
-        left = _session(proc.pid)
+        out, err = proc.communicate(timeout=300)  # EOF: every process holding the pipes (launch.py, ranks) is exiting
+        deadline = time.time() + 10  # a process closes its files before it has ended
+        while (left := _session(proc.pid)) and time.time() < deadline:
+            time.sleep(0.1)
     finally:
         _kill_session(proc.pid)
     assert proc.returncode == -signal.SIGTERM, err[-3000:]
@@ -142,6 +144,8 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_within_two_steps(tmp_pat
     assert 4 < summary["steps"] <= 6, summary
     assert (run / "checkpoints" / "latest").read_text() == tag_for(summary["steps"])
     assert ", which launched this rank, has ended: stopping as on SIGTERM (every rank saves and exits)" in err
+    assert [line for line in out.splitlines() if line.startswith("preempted: ")][0].endswith(
+        f"; continue with: --resume --run-dir {run}")
     assert "Traceback" not in err
 
 

@@ -412,8 +412,10 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
         else:  # warm-up: keep loss/lr/memory in TensorBoard, but no throughput figures
             row = {k: v for k, v in row.items() if not k.startswith(("throughput/", "time/"))}
         engine.monitor.write_events([(tag, value, done) for tag, value in row.items()])
-        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{row.get('throughput/tokens_per_s', 0):,.0f}",
-                        act_gib=f"{row['memory/activation_gib']:.3f}")
+        shown = {"loss": f"{last_loss:.3f}"}
+        if "throughput/tokens_per_s" in row:  # measured only after the warm-up: no made-up 0 before it
+            shown["tok_s"] = f"{row['throughput/tokens_per_s']:,.0f}"
+        bar.set_postfix(**shown, act_gib=f"{row['memory/activation_gib']:.3f}")
         step_losses, interval_start, interval_tokens = [], done, 0
         if stopped:
             stop_signal = signals.received() or stopped[0]  # for summary.json, on every rank
@@ -478,8 +480,12 @@ def _finish(run: _Run, steps: _Steps) -> dict:
         run_dirs.finish_overwrite(run_dir)  # with train.save_checkpoints: false, nothing saved before
         if skipped:
             print(f"warning: {skipped}", flush=True)
+        if status == "preempted":  # stopped: the command that continues it (its inputs come from config.json)
+            then = f"; continue with: --resume --run-dir {run_dir}"
+        else:
+            then = f"; model: {run_dir / 'final'}" if (run_dir / "final").is_dir() else ""
         print(f"{status}: {completed} steps, final loss {last_loss:.4f}; "
-              f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'})", flush=True)
+              f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'}){then}", flush=True)
     dist.barrier()
     # Close the process group before the interpreter exits: left to interpreter shutdown, gloo's
     # threads were seen to abort a finished rank ("terminate called without an active exception").
