@@ -1,6 +1,7 @@
 """`src/train.py`: parse the command line, then hand over to the trainer (which validates first)."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 from memtrain.config.args import parse_args
@@ -9,6 +10,9 @@ from memtrain.errors import cli_entry
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
+    # DeepSpeed 0.19.8 calls torch.distributed collectives that torch 2.13 deprecates (all_gather_into_tensor,
+    # reduce_scatter_tensor): every rank would print the notice, about code the user does not own
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     from memtrain.train.trainer import train
 
     train(parse_args(argv))
