@@ -6,7 +6,6 @@ import math
 import os
 import random
 import socket
-import sys
 import time
 from contextlib import nullcontext
 from datetime import datetime, timedelta
@@ -30,7 +29,7 @@ from memtrain.config.ds_config import AUTO, model_hidden_size, offload_device, r
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
 from memtrain.train.optimizer import engine_arguments, own_sections
-from memtrain.errors import EXIT_RUN_FAILED, RunFailed
+from memtrain.errors import EXIT_RUN_FAILED, RunFailed, report_here
 from memtrain.train.faults import (RunPosition, disk_full_message, is_oom, nonfinite_loss_message,
                                    nonfinite_weights_message, oom_message, write_failure)
 from memtrain.memory.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
@@ -108,6 +107,20 @@ def _groups_wait_as_long_as_the_world(timeout: timedelta) -> None:
     c10d.default_pg_nccl_timeout = timeout
 
 
+def _meet(timeout: timedelta) -> None:
+    """The ranks' rendezvous. A rank that stopped before it (a check that failed on its node printed its own
+    line) leaves the others waiting here until train.collective_timeout_s: one line, from rank 0, not torch's
+    traceback of the store's wait."""
+    import deepspeed
+
+    try:
+        deepspeed.init_distributed(verbose=False, timeout=timeout)
+    except torch.distributed.DistStoreError as e:
+        raise RunFailed(f"the ranks did not all meet within train.collective_timeout_s ({timeout.total_seconds():g} s: "
+                        f"{str(e).splitlines()[0]}); a rank that stopped before the rendezvous says why in its own "
+                        "line above (or in its launcher's log, on its node)") from None
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -175,7 +188,7 @@ def _train_or_report(args: RunArgs, progress: RunPosition) -> dict:
             raise RunFailed(reason) from None
         # Other ranks may wait in a collective forever: report from this rank and leave at once;
         # the launcher then stops the rest.
-        print(f"memtrain: error: {reason}", file=sys.stderr, flush=True)
+        report_here(reason)
         os._exit(EXIT_RUN_FAILED)
 
 
@@ -250,7 +263,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
         prepare_data(recipe.data, t.seed)
     timeout = timedelta(seconds=t.collective_timeout_s)
-    deepspeed.init_distributed(verbose=False, timeout=timeout)
+    _meet(timeout)
     _groups_wait_as_long_as_the_world(timeout)
     rank = dist.get_rank()
     agreement = signals.StopAgreement(world)  # a stop signal on any rank stops all within two steps
@@ -567,7 +580,7 @@ def _save_checked(engine, run_dir: Path, step: int, t, tp_size: int) -> None:
         # other ranks may wait in a collective of the save: report from this rank and leave (the launcher stops
         # the rest), as an out-of-memory rank does
         write_failure(RunPosition(dist.get_world_size(), dist.get_rank(), run_dir, step), "failed", message)
-        print(f"memtrain: error: {message}", file=sys.stderr, flush=True)
+        report_here(message)
         os._exit(EXIT_RUN_FAILED)
 
 
