@@ -37,7 +37,7 @@ from memtrain.config.args import RunArgs, parse_args, parser
 from memtrain.model.data import build_tokenizer, builder_for, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
-from memtrain.train import ds_checks, ds_log
+from memtrain.train import ds_checks, ds_log, rng
 from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile, leaf_names_layer
 from memtrain.errors import NodeError, UserError, cli_entry
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
@@ -414,6 +414,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's parallel.sequence "
                         f"({recipe.parallel.sequence}); memtrain runs AutoTP or Ulysses sequence parallelism, not both")
     check_autotp_model(args.ds_config, source, model)
+    rng.check(config, model, tp_size(args.ds_config), source)  # dropout masks AutoTP's shards can take
     if resume is not None:
         check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
     hidden = model_hidden_size(config)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import socket
 import time
 from contextlib import nullcontext
@@ -13,7 +12,6 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from memtrain.train import checkpoint
@@ -41,6 +39,7 @@ from memtrain.model.build import build_model
 from memtrain.model.zero_init import build_model_zero3
 from memtrain.recompute import partition
 from memtrain.train import parallel
+from memtrain.train import rng
 from memtrain.train.preflight import check_run
 from memtrain.train import long_context
 from memtrain.train import signals
@@ -119,12 +118,6 @@ def _meet(timeout: timedelta) -> None:
         raise RunFailed(f"the ranks did not all meet within train.collective_timeout_s ({timeout.total_seconds():g} s: "
                         f"{str(e).splitlines()[0]}); a rank that stopped before the rendezvous says why in its own "
                         "line above (or in its launcher's log, on its node)") from None
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def set_local_device() -> torch.device:
@@ -326,7 +319,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     recipe, config, run_dir, agreement, data = args.recipe, run.checked.config, run.run_dir, run.agreement, run.data
     t = recipe.train
     sp, device = run.longctx.sp, engine.device  # every tensor that meets a collective lives on `device`
-    _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
+    rng.seed_everything(t.seed, layout, rank)  # dropout streams: one per data-parallel rank (a TP group shares it)
     start = checkpoint.load(engine, run_dir / "checkpoints") if args.resume else 0  # restores the RNG streams too
     progress.step = start
 
@@ -598,7 +591,7 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
     the model; `ds_config` then holds the new value)."""
     import deepspeed
 
-    _seed_everything(recipe.train.seed)
+    rng.seed_everything(recipe.train.seed)  # the same initial weights on every rank
     stage = zero_stage(ds_config)
     if stage == 3:  # built partitioned, with transformers' own initialisation
         model = build_model_zero3(recipe.model, config, ds_config)
@@ -622,6 +615,7 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
     engine, *_ = deepspeed.initialize(**engine_arguments(model, ds_config, recipe), mpu=longctx.mpu)
     layout = parallel.layout(engine, longctx.sp)  # which batch this rank reads; tokens counted once
     parallel.check_sharded(engine.module, layout.tp)
+    rng.install(engine.module, config, layout, engine.device)  # sharded heads: per-TP-rank attention masks
     if plan.backend == "deepspeed":  # after initialize, which creates the tensor-parallel group
         configure_deepspeed_ac(spec, ds_config.get("activation_checkpointing", {}).get("number_checkpoints"),
                                partition.tp_mpu(plan, layout.tp))
