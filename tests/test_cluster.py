@@ -97,3 +97,116 @@ def test_host_memory_is_checked_against_the_nodes_ranks_and_the_cgroup():
         os.rmdir(group)
     assert inside.returncode == 2 and "host memory: 1 rank(s) on this node x 8.9 GiB each" in inside.stderr, \
         inside.stderr
+
+
+def test_a_node_check_failed_on_rank_1_alone_is_printed_by_rank_1(tmp_path):
+    """Two torchrun agents as two nodes (as slurm/train.sbatch starts them), one rank each; the second "node" is a
+    memory cgroup of 4 GiB (a Slurm job's --mem), too small for the run's 8.9 GiB of host memory a rank, so
+    global rank 1 alone fails the host-memory check inside its worker, while rank 0 passes and waits for it in the
+    rendezvous. Rank 1's line, with its rank and host, is in the output once, while rank 0 still waits (before the
+    collective timeout ends it); the worker exits 2, the code a user's mistake ends with. When only rank 0 printed,
+    rank 1 exited 2 without a word and rank 0 died of the rendezvous timeout."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    from conftest import TRAIN, _env, _free_port
+
+    timeout_s = 60  # train.collective_timeout_s: how long rank 0 waits in the rendezvous
+    group = _memory_cgroup(f"memtrain-test-{os.getpid()}", 4 << 30)
+    if group is None:
+        pytest.skip("no memory cgroup can be made here (not root, or no memory controller)")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=node-check", "--max-restarts=0",
+           str(TRAIN), "--deepspeed", str(ROOT / "ds_configs" / "zero3_offload.json"),
+           "--recipe", str(ROOT / "recipes" / "llama-1b.yaml"), "--set", "model.config.num_hidden_layers=2",
+           "--set", "data.random_tokens=true", "--set", f"train.collective_timeout_s={timeout_s}",
+           "--run-dir", str(tmp_path / "run"), "--max-steps", "1"]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    agents = []
+    try:
+        started = time.time()
+        for i, log in enumerate(logs):  # the agent started first gets global rank 0 (one address: by agent pid)
+            # the second node's agent and its rank inside the small cgroup
+            wrap = ["bash", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$@"', "bash"] if i else []
+            agents.append(subprocess.Popen([*wrap, *cmd], cwd=ROOT, env=_env(), stdout=open(log, "w"),
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+            time.sleep(2 if not i else 0)
+        seen = None
+        while agents[0].poll() is None and time.time() - started < 600:
+            if seen is None and "memtrain: error: [rank 1 " in logs[1].read_text():
+                seen = time.time()
+            time.sleep(0.2)
+        rank0_ended = time.time()
+        for a in agents:
+            a.wait(timeout=120)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, 9)
+        os.rmdir(group)
+    out = [log.read_text() for log in logs]
+    lines = [line for text in out for line in text.splitlines() if "memtrain: error:" in line]
+    host = socket.gethostname()
+    mine = [line for line in lines if line.startswith(f"memtrain: error: [rank 1 {host}] host memory: 1 rank(s) on this "
+                                                      "node x ") and line.endswith("or run fewer ranks per node")]
+    assert len(mine) == 1, "\n".join(out)[-6000:]
+    assert seen is not None and seen < rank0_ended, "\n".join(out)[-6000:]  # printed while rank 0 still waited
+    assert "exitcode  : 2" in out[1]  # torchrun's summary of the failed worker: a user's mistake
+    # rank 0, left waiting, ends at the collective timeout with one line, not torch's traceback of the store
+    assert agents[0].returncode != 0 and rank0_ended - seen < timeout_s + 60
+    waited = [line for line in out[0].splitlines() if "memtrain: error:" in line]
+    assert waited == [f"memtrain: error: the ranks did not all meet within train.collective_timeout_s ({timeout_s} s: "
+                      + waited[0].split(" s: ", 1)[1]] and "a rank that stopped" in waited[0], out[0][-3000:]
+    assert "DistStoreError" not in out[0]
+
+
+def test_node_errors_print_once_per_node_and_launch(monkeypatch, capsys):
+    """Where several ranks of one node meet the same node error (the host-memory check on every rank of an 8-GPU
+    node), the first prints it and the rest do not; other words print; rank 0's input errors alone print. In-process:
+    every call here has the same parent, as the ranks of one launch have."""
+    import os
+    import socket
+
+    import pytest
+
+    from memtrain.errors import NodeError, UserError, cli_entry
+
+    @cli_entry
+    def fail(error):
+        raise error
+
+    words = f"host memory: too little here ({os.getpid()})"
+    for rank in ("3", "5"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "8")
+        for error in (NodeError(words), NodeError(words + " again"), UserError("recipe.yaml: train.lr: bad")):
+            with pytest.raises(SystemExit) as code:
+                fail(error)
+            assert code.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"memtrain: error: [rank 3 {socket.gethostname()}] {words}",
+                                                    f"memtrain: error: [rank 3 {socket.gethostname()}] {words} again"]
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        fail(UserError("recipe.yaml: train.lr: bad"))
+    assert capsys.readouterr().err.splitlines() == ["memtrain: error: recipe.yaml: train.lr: bad"]
+
+
+def test_a_data_path_this_node_cannot_see_is_a_node_error(tmp_path):
+    """check_run names the recipe in front of a data error; the error stays a NodeError (printed by the rank whose
+    node lacks the file, not only by rank 0)."""
+    import pytest
+
+    from memtrain.config.args import parse_args
+    from memtrain.errors import NodeError
+    from memtrain.train.preflight import check_run
+
+    with pytest.raises(NodeError, match=r"embedded recipe 'tiny': data.paths\[0\]: '.*' matches no file"):
+        check_run(parse_args(["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
+                              "--set", f"data.paths=[\"{tmp_path / 'node-local' / '*.txt'}\"]"]), 2)

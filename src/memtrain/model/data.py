@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memtrain.errors import UserError
+from memtrain.errors import NodeError, UserError
 from memtrain.config.recipe import DataSection
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # everything else: "text"
@@ -51,7 +51,7 @@ class HFTokenizer:
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:  # transformers raises many types for a bad directory
-            raise UserError(f"data.tokenizer: cannot load tokenizer from '{path}': {str(e).splitlines()[0]}") from None
+            raise NodeError(f"data.tokenizer: cannot load tokenizer from '{path}': {str(e).splitlines()[0]}") from None
         eos = self._tok.eos_token_id
         self.eos_token_id = eos if eos is not None else self._tok.sep_token_id
         self.vocab_size = len(self._tok)
@@ -70,7 +70,7 @@ def build_tokenizer(spec: str):
     if spec == "byte":
         return ByteTokenizer()
     if not Path(spec).is_dir():
-        raise UserError(f"data.tokenizer: '{spec}' is neither 'byte' nor an existing tokenizer directory")
+        raise NodeError(f"data.tokenizer: '{spec}' is neither 'byte' nor an existing tokenizer directory")
     return HFTokenizer(spec)
 
 
@@ -93,7 +93,7 @@ def resolve_files(cfg: DataSection) -> list[Path]:
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         matches = [Path(m) for m in matches if Path(m).is_file()]
         if not matches:
-            raise UserError(f"data.paths[{i}]: '{pattern}' matches no file")
+            raise NodeError(f"data.paths[{i}]: '{pattern}' matches no file")
         files.extend(matches)
     return files
 
@@ -114,7 +114,7 @@ def _read_texts(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[st
             ds = datasets.load_dataset(builder, data_files=paths, split="train",
                                        cache_dir=str(cache_dir / "hf"), **kwargs)
         except Exception as e:  # a corrupt file surfaces as one of many datasets/arrow errors
-            raise UserError(f"data.paths: cannot read {builder} files ({paths[0]} ...): {str(e).splitlines()[0]}") from None
+            raise NodeError(f"data.paths: cannot read {builder} files ({paths[0]} ...): {str(e).splitlines()[0]}") from None
         column = "text" if builder == "text" else cfg.text_key
         if column not in ds.column_names:
             raise UserError(f"data.text_key: column '{column}' not in {paths[0]} (columns: {', '.join(ds.column_names)})")
@@ -142,7 +142,7 @@ def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dic
         try:
             ds = datasets.load_dataset(builder, data_files=[str(f)], split="train", cache_dir=str(cache_dir / "hf"))
         except Exception as e:  # a corrupt file surfaces as one of many datasets/arrow errors
-            raise UserError(f"data.paths: cannot read {f}: {str(e).splitlines()[0]}") from None
+            raise NodeError(f"data.paths: cannot read {f}: {str(e).splitlines()[0]}") from None
         missing = [k for k in keys if k not in ds.column_names]
         if missing:
             key = {cfg.messages_key: "messages_key", cfg.prompt_key: "prompt_key"}.get(missing[0], "response_key")

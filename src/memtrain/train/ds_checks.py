@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from memtrain.config.ds_config import get, offload_device, unfillable_auto
-from memtrain.errors import UserError
+from memtrain.errors import NodeError, UserError
 
 # Optimizer params DeepSpeed's engine consumes itself before constructing the class (engine.py,
 # _configure_basic_optimizer / get_optimizer_configuration); DeepSpeed has no list of them.
@@ -109,7 +109,7 @@ def check_dtype_support(cfg: dict, source: str) -> None:
     acc = get_accelerator()
     for key, supported in (("fp16", acc.is_fp16_supported), ("bf16", acc.is_bf16_supported)):
         if get(cfg, f"{key}.enabled") is True and not supported():
-            raise UserError(f"{source}: {key}.enabled: true, but this machine's accelerator "
+            raise NodeError(f"{source}: {key}.enabled: true, but this machine's accelerator "
                             f"({acc.device_name()}) does not support {key}; set it to false, or \"auto\" "
                             "(bf16 where supported)")
 
@@ -125,13 +125,13 @@ def check_nvme(cfg: dict, source: str) -> None:
             raise UserError(f"{source}: {key}.nvme_path: device nvme needs a path on an NVMe drive")
         p = Path(path)
         if not p.is_dir():
-            raise UserError(f"{source}: {key}.nvme_path: {p} is not an existing directory")
+            raise NodeError(f"{source}: {key}.nvme_path: {p} is not an existing directory")
         if not os.access(p, os.W_OK | os.X_OK):
-            raise UserError(f"{source}: {key}.nvme_path: {p} is not writable")
+            raise NodeError(f"{source}: {key}.nvme_path: {p} is not writable")
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         if not AsyncIOBuilder().is_compatible(verbose=False):
-            raise UserError(f"{source}: {key}.device: nvme needs DeepSpeed's async_io op, which cannot be built "
+            raise NodeError(f"{source}: {key}.device: nvme needs DeepSpeed's async_io op, which cannot be built "
                             "on this machine (libaio and its headers are missing: apt-get install libaio-dev)")
 
 

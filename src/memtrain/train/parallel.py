@@ -95,6 +95,7 @@ class Layout:
     tp: int
     dp_rank: int
     dp_size: int
+    tp_rank: int = 0  # this rank's place in its tensor-parallel group (its shard)
 
     def tokens_per_step(self, micro_batch: int, grad_accum: int, seq_len: int) -> int:
         return self.dp_size * micro_batch * grad_accum * seq_len
@@ -114,7 +115,7 @@ def layout(engine, sp=None) -> Layout:
         from deepspeed.utils import groups
 
         return Layout(world, groups.get_tensor_model_parallel_world_size(), groups.get_data_parallel_rank(),
-                      groups.get_data_parallel_world_size())
+                      groups.get_data_parallel_world_size(), groups.get_tensor_model_parallel_rank())
     return Layout(world, 1, rank, world)
 
 

@@ -37,9 +37,9 @@ from memtrain.config.args import RunArgs, parse_args, parser
 from memtrain.model.data import build_tokenizer, builder_for, resolve_files
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
-from memtrain.train import ds_checks, ds_log
+from memtrain.train import ds_checks, ds_log, rng
 from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile, leaf_names_layer
-from memtrain.errors import UserError, cli_entry
+from memtrain.errors import NodeError, UserError, cli_entry
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
 from memtrain.config.zero3 import Zero3Layout, zero3_layout
 from memtrain.recompute.hooks import apply_plan
@@ -345,7 +345,7 @@ def check_host_memory(prediction, world_size: int) -> None:
     available = available_bytes()
     if ranks * per_rank > available:
         g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
-        raise UserError(f"host memory: {ranks} rank(s) on this node x {g(per_rank)} each (offloaded activations "
+        raise NodeError(f"host memory: {ranks} rank(s) on this node x {g(per_rank)} each (offloaded activations "
                         f"{g(prediction.host_activations)} + offloaded model states {g(states.host)}"
                         + (f" + the CPU run's peak {g(prediction.peak)}" if run_device() == "cpu" else "")
                         + f") = {g(ranks * per_rank)} predicted, {g(available)} available on {socket.gethostname()}; "
@@ -405,7 +405,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
                                   recipe.parallel.sequence, hooks_inside,
                                   sharded=zero_stage(args.ds_config) == 3 and not zero3.persistence_threshold)
     except UserError as e:
-        raise UserError(f"{recipe_source}: {e}") from None
+        raise type(e)(f"{recipe_source}: {e}") from None  # a NodeError stays one
     check_tensor_parallel(args.ds_config, source, config, world_size)
     if tp_size(args.ds_config) > 1 and recipe.model.lora is not None:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's model.lora: "
@@ -414,6 +414,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's parallel.sequence "
                         f"({recipe.parallel.sequence}); memtrain runs AutoTP or Ulysses sequence parallelism, not both")
     check_autotp_model(args.ds_config, source, model)
+    rng.check(config, model, tp_size(args.ds_config), source)  # dropout masks AutoTP's shards can take
     if resume is not None:
         check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
     hidden = model_hidden_size(config)

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from memtrain.errors import UserError
+from memtrain.errors import NodeError, UserError
 
 RUN_ENTRIES = ("config.json", "summary.json", "checkpoints", "tb", "csv", "final", "deepspeed.log", "logs")  # what a run writes
 ASIDE = ".overwritten"
@@ -27,21 +27,22 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def check_creatable(path: Path, what: str) -> None:
-    """One line if `path` cannot be a directory: it is a file, sits under one, or is not writable."""
+    """One line if `path` cannot be a directory: it is a file, sits under one, or is not writable (as this node sees
+    it: a NodeError)."""
     path = Path(path)
     if path.exists():
         if not path.is_dir():
-            raise UserError(f"{what}: '{path}' exists and is not a directory")
+            raise NodeError(f"{what}: '{path}' exists and is not a directory")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise UserError(f"{what}: '{path}' is not writable")
+            raise NodeError(f"{what}: '{path}' is not writable")
         return
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise UserError(f"{what}: '{path}' cannot be created: '{parent}' is a file, not a directory")
+        raise NodeError(f"{what}: '{path}' cannot be created: '{parent}' is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{what}: '{path}' cannot be created: '{parent}' is not writable")
+        raise NodeError(f"{what}: '{path}' cannot be created: '{parent}' is not writable")
 
 
 def set_aside(run_dir: Path) -> None:

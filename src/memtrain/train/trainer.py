@@ -4,9 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import socket
-import sys
 import time
 from contextlib import nullcontext
 from datetime import datetime, timedelta
@@ -14,7 +12,6 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from memtrain.train import checkpoint
@@ -31,7 +28,7 @@ from memtrain.config.ds_config import AUTO, model_hidden_size, offload_device, r
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
 from memtrain.train.optimizer import engine_arguments, own_sections
-from memtrain.errors import EXIT_RUN_FAILED, RunFailed
+from memtrain.errors import EXIT_RUN_FAILED, RunFailed, report_here
 from memtrain.train.faults import (RunPosition, disk_full_message, is_oom, nonfinite_loss_message,
                                    nonfinite_weights_message, oom_message, write_failure)
 from memtrain.memory.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
@@ -43,6 +40,7 @@ from memtrain.model.build import build_model
 from memtrain.model.zero_init import build_model_zero3
 from memtrain.recompute import partition
 from memtrain.train import parallel
+from memtrain.train import rng
 from memtrain.train.preflight import check_run
 from memtrain.train import long_context
 from memtrain.train import signals
@@ -109,10 +107,18 @@ def _groups_wait_as_long_as_the_world(timeout: timedelta) -> None:
     c10d.default_pg_nccl_timeout = timeout
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def _meet(timeout: timedelta) -> None:
+    """The ranks' rendezvous. A rank that stopped before it (a check that failed on its node printed its own
+    line) leaves the others waiting here until train.collective_timeout_s: one line, from rank 0, not torch's
+    traceback of the store's wait."""
+    import deepspeed
+
+    try:
+        deepspeed.init_distributed(verbose=False, timeout=timeout)
+    except torch.distributed.DistStoreError as e:
+        raise RunFailed(f"the ranks did not all meet within train.collective_timeout_s ({timeout.total_seconds():g} s: "
+                        f"{str(e).splitlines()[0]}); a rank that stopped before the rendezvous says why in its own "
+                        "line above (or in its launcher's log, on its node)") from None
 
 
 def set_local_device() -> torch.device:
@@ -176,7 +182,7 @@ def _train_or_report(args: RunArgs, progress: RunPosition) -> dict:
             raise RunFailed(reason) from None
         # Other ranks may wait in a collective forever: report from this rank and leave at once;
         # the launcher then stops the rest.
-        print(f"memtrain: error: {reason}", file=sys.stderr, flush=True)
+        report_here(reason)
         os._exit(EXIT_RUN_FAILED)
 
 
@@ -251,7 +257,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
         prepare_data(recipe.data, t.seed)
     timeout = timedelta(seconds=t.collective_timeout_s)
-    deepspeed.init_distributed(verbose=False, timeout=timeout)
+    _meet(timeout)
     _groups_wait_as_long_as_the_world(timeout)
     rank = dist.get_rank()
     agreement = signals.StopAgreement(world)  # a stop signal on any rank stops all within two steps
@@ -317,7 +323,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     recipe, config, run_dir, agreement, data = args.recipe, run.checked.config, run.run_dir, run.agreement, run.data
     t = recipe.train
     sp, device = run.longctx.sp, engine.device  # every tensor that meets a collective lives on `device`
-    _seed_everything(t.seed + 1000 * rank)  # dropout streams differ per rank
+    rng.seed_everything(t.seed, layout, rank)  # dropout streams: one per data-parallel rank (a TP group shares it)
     start = checkpoint.load(engine, run_dir / "checkpoints") if args.resume else 0  # restores the RNG streams too
     progress.step = start
 
@@ -577,7 +583,7 @@ def _save_checked(engine, run_dir: Path, step: int, t, tp_size: int) -> None:
         # other ranks may wait in a collective of the save: report from this rank and leave (the launcher stops
         # the rest), as an out-of-memory rank does
         write_failure(RunPosition(dist.get_world_size(), dist.get_rank(), run_dir, step), "failed", message)
-        print(f"memtrain: error: {message}", file=sys.stderr, flush=True)
+        report_here(message)
         os._exit(EXIT_RUN_FAILED)
 
 
@@ -595,7 +601,7 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
     the model; `ds_config` then holds the new value)."""
     import deepspeed
 
-    _seed_everything(recipe.train.seed)
+    rng.seed_everything(recipe.train.seed)  # the same initial weights on every rank
     stage = zero_stage(ds_config)
     if stage == 3:  # built partitioned, with transformers' own initialisation
         model = build_model_zero3(recipe.model, config, ds_config)
@@ -619,6 +625,7 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
     engine, *_ = deepspeed.initialize(**engine_arguments(model, ds_config, recipe), mpu=longctx.mpu)
     layout = parallel.layout(engine, longctx.sp)  # which batch this rank reads; tokens counted once
     parallel.check_sharded(engine.module, layout.tp)
+    rng.install(engine.module, config, layout, engine.device)  # sharded heads: per-TP-rank attention masks
     if plan.backend == "deepspeed":  # after initialize, which creates the tensor-parallel group
         configure_deepspeed_ac(spec, ds_config.get("activation_checkpointing", {}).get("number_checkpoints"),
                                partition.tp_mpu(plan, layout.tp))
