@@ -91,6 +91,36 @@ def test_preflight_decides_each_json(name):
     assert auto_paths(resolved) == [], f"{name}: \"auto\" left in the resolved JSON"
 
 
+def _learning_rates(recipe) -> list[float]:
+    """The learning rate of each step of memtrain's own schedule, called as DeepSpeed's engine calls it (built on the
+    optimizer, then step() after each optimizer step)."""
+    import torch
+
+    from memtrain.train.optimizer import build_schedule
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=recipe.train.lr)
+    schedule = build_schedule(recipe)(optimizer)
+    rates = []
+    for _ in range(recipe.train.max_steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+def test_no_warmup_trains_at_the_full_learning_rate_from_step_1():
+    """train.warmup_steps 0: step 1 at train.lr, a cosine to train.min_lr at the last step (DeepSpeed's
+    WarmupCosineLR would give 0 at steps 1 and 2: a 2-step LoRA run would end with lora_B all zero)."""
+    import math
+
+    recipe = parse_args(["--set", "train.warmup_steps=0", "--max-steps", "5", "--set", "train.min_lr=1e-4"]).recipe
+    lr, low = recipe.train.lr, recipe.train.min_lr
+    assert _learning_rates(recipe) == pytest.approx([low + (lr - low) * (1 + math.cos(math.pi * k / 4)) / 2
+                                                     for k in range(5)])
+    warm = _learning_rates(parse_args(["--max-steps", "8"]).recipe)  # warm-up 4: DeepSpeed's own class, as before
+    assert warm[:2] == [0.0, 0.0] and 0 < warm[2] < warm[3] < warm[4] and max(warm) <= lr
+
+
 def test_auto_fills_follow_transformers():
     """The values transformers' HfTrainerDeepSpeedConfig puts in (its formulas, restated here)."""
     args = parse_args(["--deepspeed", str(CORPUS / "hf_zero3_offload.json"), *FAST, *STEPS,
@@ -98,8 +128,12 @@ def test_auto_fills_follow_transformers():
     cfg = resolve_ds_config(args.ds_config, args.recipe, 2, ROOT / "runs" / "never", 4, hidden_size=128)
     t = args.recipe.train
     assert cfg["optimizer"]["params"] == {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": t.weight_decay}
-    assert cfg["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": 1,
+    # unlike transformers' 0: with no warm-up the warm-up DeepSpeed's WarmupDecayLR always takes starts at train.lr
+    assert cfg["scheduler"]["params"] == {"warmup_min_lr": t.lr, "warmup_max_lr": t.lr, "warmup_num_steps": 1,
                                           "total_num_steps": 3}
+    warm = parse_args(["--deepspeed", str(CORPUS / "hf_zero3_offload.json"), *FAST, *STEPS])
+    assert resolve_ds_config(warm.ds_config, warm.recipe, 2, ROOT / "runs" / "never", 4,
+                             hidden_size=128)["scheduler"]["params"]["warmup_min_lr"] == 0.0
     z = cfg["zero_optimization"]
     assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == \
         (128 * 128, int(0.9 * 128 * 128), 1280)

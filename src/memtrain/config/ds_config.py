@@ -204,7 +204,10 @@ AUTO_KEYS: tuple[AutoKey, ...] = (
     AutoKey("optimizer.params.torch_adam", "no optimizer offload",
             lambda c: offload_device(c.raw or {}, "optimizer") == "none", lambda v: isinstance(v, bool),
             "true or false", from_recipe=False),
-    AutoKey("scheduler.params.warmup_min_lr", "0 (as transformers)", lambda c: 0.0, _number, "a number >= 0",
+    # (train.warmup_steps 0: train.lr, so the warm-up DeepSpeed's classes always take is flat: the full learning rate
+    # from step 1, not 0 for two steps)
+    AutoKey("scheduler.params.warmup_min_lr", "0 (as transformers; train.lr with train.warmup_steps 0)",
+            lambda c: c.recipe.train.lr if c.recipe.train.warmup_steps == 0 else 0.0, _number, "a number >= 0",
             from_recipe=False),
     AutoKey("scheduler.params.warmup_max_lr", "train.lr", lambda c: c.recipe.train.lr,
             _positive, "a positive number"),

@@ -10,10 +10,14 @@ transformers' Trainer builds the optimizer and the scheduler itself when the JSO
   with and without the section train the same.
 - schedule: DeepSpeed's WarmupCosineLR (linear warm-up over `train.warmup_steps` from 0 to
   `train.lr`, cosine decay to `train.min_lr` at `train.max_steps`), passed as a callable so that
-  DeepSpeed builds it on the optimizer it ends up wrapping.
+  DeepSpeed builds it on the optimizer it ends up wrapping. With `train.warmup_steps: 0`, `NoWarmupCosine`:
+  DeepSpeed's class cannot leave the warm-up out (it takes at least 2 warm-up steps, and its first two learning
+  rates are 0 whatever the warm-up: the one before its first step() and the warm-up's start), so a 2-step
+  fine-tune would not move its weights at all.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -62,7 +66,26 @@ def build_schedule(recipe) -> Callable[[torch.optim.Optimizer], Any]:
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     kwargs = schedule_kwargs(recipe)
+    if recipe.train.warmup_steps == 0:
+        return lambda optimizer: no_warmup_cosine(WarmupCosineLR)(optimizer, **kwargs)
     return lambda optimizer: WarmupCosineLR(optimizer, **kwargs)
+
+
+def no_warmup_cosine(base: type) -> type:
+    """DeepSpeed's WarmupCosineLR (`base`, its state and checkpointing kept) without a warm-up: step k of N (1-based)
+    trains at min_lr + (lr - min_lr) * (1 + cos(pi * (k - 1) / (N - 1))) / 2: the full learning rate at step 1, min_lr
+    at the last step."""
+
+    class NoWarmupCosine(base):
+        def get_lr(self):  # the base gives 0 before its first step(), which is step 1's learning rate
+            return [lr * self.get_lr_ratio() for lr in self.org_lrs]
+
+        def get_lr_ratio(self):
+            # last_batch_iteration is -1 before the first step() and k - 2 during step k
+            progress = min(1.0, max(0, self.last_batch_iteration + 1) / max(1, self.total_num_steps - 1))
+            return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2
+
+    return NoWarmupCosine
 
 
 def engine_arguments(model, cfg: dict, recipe) -> dict:
