@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -272,3 +273,36 @@ def test_resume_continues_with_the_runs_saved_inputs(finished, tmp_path):
     (run / "config.json").write_text(json.dumps(saved))
     old = parse_args(["--run-dir", str(run), "--resume"])
     assert old.ds_config == json.loads(ds_file.read_text()) and old.recipe.train.max_steps == 4
+
+
+def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
+    """A run trains in the directory; a second launch on it (--overwrite, --resume, or none) is one line naming the
+    holder, before anything is moved or written; once the first run ends, the directory is free again."""
+    run = _copy(finished, tmp_path)
+    first = subprocess.Popen([sys.executable, str(TRAIN), "--run-dir", str(run), "--resume", "--max-steps", "100000",
+                              "--set", "train.save_interval=0"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ((run / ".lock").is_file() and "pid" in (run / ".lock").read_text()):
+            assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        holder = (run / ".lock").read_text()
+        assert holder.startswith(f"pid {first.pid} on ")
+        with pytest.raises(UserError, match="another run is using it"):  # the preflight: before any worker starts
+            check_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--overwrite"]), 1)
+        argvs = [[*RUN_ARGS, "--run-dir", str(run), *flag] for flag in (["--overwrite"], ["--resume"], [])]
+        proc = subprocess.run([sys.executable, "-c", MISTAKES, json.dumps(argvs)], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=600)
+        assert_ok(proc)
+        line = (f"memtrain: error: --run-dir {run}: another run is using it ({holder}); wait for it to end (or stop "
+                "it), or pass another --run-dir")
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[2, [line]]] * 3
+        assert not (run / ".overwritten").exists() and len(list((run / "tb").glob("events.out.tfevents.*"))) == 2
+    finally:
+        first.send_signal(signal.SIGTERM)
+        out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
+    assert not (run / ".lock").exists()  # removed as the run ended: free for the next
+    check_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--resume", "--max-steps", "100000"]), 1)

@@ -299,6 +299,8 @@ def check_run_dir(args: RunArgs, world_size: int) -> Optional[checkpoint.ResumeP
     if args.resume and args.overwrite:
         raise UserError("--overwrite: cannot be combined with --resume (resume continues a run, overwrite deletes it)")
     run_dirs.check_creatable(run_dir or Path("runs"), "--run-dir")
+    if run_dir is not None:
+        run_dirs.check_not_in_use(run_dir)
     if args.resume:
         return check_resume(run_dir, world_size, args.recipe.train.max_steps)
     if run_dir and not args.overwrite and run_dirs.holds_run(run_dir):

@@ -16,10 +16,12 @@ from typing import Optional
 
 from memtrain.errors import NodeError, UserError
 
+LOCK = ".lock"  # held (flock) by rank 0 of the run using the directory; not a run entry: never moved aside
 RUN_ENTRIES = ("config.json", "summary.json", "checkpoints", "tb", "csv", "final", "deepspeed.log", "logs")  # what a run writes
 ASIDE = ".overwritten"
 
 _set_aside: set[Path] = set()  # run dirs this process moved aside (only its own are rolled back)
+_locks: dict[Path, int] = {}  # run dirs this process holds: their lock files' descriptors
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -118,3 +120,79 @@ def check_shared(run_dir: Path, rank: int) -> None:
         raise UserError(f"--run-dir {run_dir}: not shared between the nodes ({', '.join(missing)} cannot see what "
                         "rank 0 wrote there): memtrain keeps a run on storage every node sees; point --run-dir at a "
                         "shared filesystem")
+
+
+def lock(run_dir: Path) -> tuple[Optional[str], Optional[str]]:
+    """Rank 0, before the run writes anything: hold `<run-dir>/.lock` (an exclusive flock, released when the process
+    ends, however it ends) so that a second run on the same directory is refused instead of writing the same
+    checkpoints and TensorBoard files. Returns (refusal, warning): the line that refuses this run, or a warning where
+    the file system has no file locks (Lustre mounted noflock)."""
+    import fcntl
+    import socket
+    from datetime import datetime
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            return in_use(run_dir, holder), None
+        except OSError as e:
+            os.close(fd)
+            return None, (f"--run-dir {run_dir}: its file system has no file locks ({e.strerror}): nothing stops a "
+                          "second run from using this directory at the same time")
+        try:
+            if os.stat(run_dir / LOCK).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the holder removed the file as it ended (unlock) after this one opened it: open it again
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {datetime.now():%Y-%m-%d %H:%M:%S}".encode())
+    _locks[run_dir.resolve()] = fd
+    return None, None
+
+
+def unlock(run_dir: Optional[Path]) -> None:
+    """The run is over: remove the lock file, then release it (`lock` opens again a file removed under it). A process
+    that ends otherwise leaves the file, whose flock the kernel released: the next run takes it."""
+    fd = _locks.pop(run_dir.resolve(), None) if run_dir is not None else None
+    if fd is not None:
+        (run_dir / LOCK).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def check_not_in_use(run_dir: Path) -> None:
+    """Before any worker starts: one line where another run holds the directory (`lock`)."""
+    import fcntl
+
+    path = run_dir / LOCK
+    if run_dir.resolve() in _locks or not path.is_file():
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # granted: nobody holds it exclusively
+    except BlockingIOError:
+        raise UserError(in_use(run_dir, _holder(fd))) from None
+    except OSError:  # no file locks here: lock() warns in the run
+        pass
+    finally:
+        os.close(fd)
+
+
+def in_use(run_dir: Path, holder: str) -> str:
+    return (f"--run-dir {run_dir}: another run is using it ({holder or 'its holder unknown'}); wait for it to end "
+            "(or stop it), or pass another --run-dir")
+
+
+def _holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""

@@ -28,7 +28,7 @@ from memtrain.config.ds_config import AUTO, model_hidden_size, offload_device, r
 from memtrain.train import ds_log
 from memtrain.train.loss_scale import scaler_row, skipped_warning
 from memtrain.train.optimizer import engine_arguments, own_sections
-from memtrain.errors import EXIT_RUN_FAILED, RunFailed, report_here
+from memtrain.errors import EXIT_RUN_FAILED, RunFailed, UserError, report_here
 from memtrain.train.faults import (RunPosition, disk_full_message, is_oom, nonfinite_loss_message,
                                    nonfinite_weights_message, oom_message, write_failure)
 from memtrain.memory.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
@@ -143,12 +143,20 @@ def is_boundary(done: int, t, every: int) -> bool:
             or bool(t.save_interval and done % t.save_interval == 0))
 
 
-def _choose_run_dir(args: RunArgs) -> Path:
+def _choose_run_dir(args: RunArgs, rank: int) -> tuple[Path, Optional[str]]:
+    """The run directory (one timestamp for all ranks), held by rank 0 for the run (run_dir.lock): a second run on it
+    is refused on every rank; a warning where its file system has no file locks."""
     import deepspeed.comm as dist
 
-    chosen = [str(args.run_dir) if args.run_dir else f"runs/{args.recipe.name}-{datetime.now():%Y%m%d-%H%M%S}"]
-    dist.broadcast_object_list(chosen, src=0)  # one timestamp for all ranks
-    return Path(chosen[0])
+    chosen: list = [None]
+    if rank == 0:
+        path = args.run_dir or Path(f"runs/{args.recipe.name}-{datetime.now():%Y%m%d-%H%M%S}")
+        chosen = [(str(path), *run_dirs.lock(path))]
+    dist.broadcast_object_list(chosen, src=0)
+    path, refusal, warning = chosen[0]
+    if refusal:
+        raise UserError(refusal)
+    return Path(path), warning
 
 
 def train(args: RunArgs) -> dict:
@@ -159,6 +167,8 @@ def train(args: RunArgs) -> dict:
     except BaseException:  # --overwrite: the new run saved nothing, so the earlier run comes back
         run_dirs.roll_back(progress.run_dir)
         raise
+    finally:
+        run_dirs.unlock(progress.run_dir)
 
 
 def _train_or_report(args: RunArgs, progress: RunPosition) -> dict:
@@ -270,7 +280,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
         shared = [plan, memory_plan, compiled]
         dist.broadcast_object_list(shared, src=0)
         plan, memory_plan, compiled = shared
-    run_dir = _choose_run_dir(args)
+    run_dir, lock_warning = _choose_run_dir(args, rank)
     progress.run_dir = run_dir
     ds_log.buffer()  # DeepSpeed's own log: off the console, to run_dir/deepspeed.log below
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls,
@@ -296,7 +306,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
             print(report_line(data.report, recipe.data), flush=True)
         if memory_plan is not None:
             print(memory_plan.describe(), flush=True)
-        for warning in checked.warnings:
+        for warning in checked.warnings + ((lock_warning,) if lock_warning else ()):
             print(f"warning: {warning}", flush=True)
     dist.barrier()  # the run directory is ready (an earlier run's files set aside) before any rank writes to it
     run_dirs.check_shared(run_dir, rank)  # every node sees it (one line, on every rank, where one does not)
