@@ -48,15 +48,21 @@ from memtrain.train.zero3_probe import OpCounter, Zero3Probe, summarize
 
 
 
-def single_process_env() -> None:
-    """`python src/train.py` without a launcher: a world of one."""
+def single_process_env() -> Optional[str]:
+    """`python src/train.py` without a launcher: a world of one, whatever WORLD_SIZE a shell left behind (a warning
+    then: without a launcher's RANK no other rank will join)."""
     if "RANK" in os.environ:
-        return
+        return None
+    left = os.environ.get("WORLD_SIZE", "1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if left.strip() != "1":
+        return (f"WORLD_SIZE={left} is set in the environment, but no launcher started this process (no RANK): it "
+                "trains as one process (start it with deepspeed or torchrun for more ranks, or unset WORLD_SIZE)")
+    return None
 
 
 def cpu_threads(cuda: bool, host_optimizer: bool, env=os.environ) -> Optional[int]:
@@ -161,6 +167,9 @@ def _choose_run_dir(args: RunArgs, rank: int) -> tuple[Path, Optional[str]]:
 
 def train(args: RunArgs) -> dict:
     """Train; a NaN/inf loss or an OOM ends it with one line and summary.json status failed/oom."""
+    alone = single_process_env()  # first: validation sizes batches by this world
+    if alone:
+        print(f"warning: {alone}", flush=True)
     progress = RunPosition(world=int(os.environ.get("WORLD_SIZE", 1)), rank=int(os.environ.get("RANK", 0)))
     try:
         return _train_or_report(args, progress)
@@ -255,7 +264,6 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     config, plan = checked.config, checked.plan
 
     # --- distributed set-up
-    single_process_env()
     import deepspeed
     import deepspeed.comm as dist
 
