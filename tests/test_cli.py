@@ -59,3 +59,19 @@ def test_make_variables_with_spaces_stay_one_argument():
     assert report[report.index("report") + 1] == "my sweeps/s.yaml" and "--budget=40 GB" in report
     assert "--budget=40 GB" in plan and plan[plan.index("--deepspeed") + 1] == "my ds.json"
     assert plan[plan.index("--recipe") + 1] == "my recipe.yaml"
+
+
+def test_export_mistakes_are_one_line(tmp_path, capsys):
+    from memtrain.tools import export
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"recipe": {"name": "tin')  # cut short
+    cases = {("--step", "two"): "--step: invalid int value: 'two' (see python -m memtrain export --help)",
+             (): f"{run / 'config.json'}: damaged (JSONDecodeError: Unterminated string starting at: line 1 column 21 "
+                 "(char 20)): the recipe the run trained with is unknown, so its model cannot be rebuilt; restore "
+                 "config.json from a copy"}
+    for flags, line in cases.items():
+        with pytest.raises(SystemExit) as e:
+            export.main([str(run), *flags])
+        assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"memtrain: error: {line}"]

@@ -6,12 +6,11 @@ loads it, with the adapters merged and beside it in `adapter/` for a LoRA run.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Optional
 
-from memtrain.errors import UserError, cli_entry
+from memtrain.errors import ArgumentParser, UserError, cli_entry
 
 
 def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None) -> Path:
@@ -26,7 +25,12 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise UserError(f"{run_dir}: not a memtrain run directory (no config.json)")
-    recipe = Recipe.model_validate(json.loads(config_path.read_text())["recipe"])
+    try:
+        recipe = Recipe.model_validate(json.loads(config_path.read_text(encoding="utf-8"))["recipe"])
+    except (ValueError, KeyError, TypeError) as e:  # cut, not JSON, or not a run's record (pydantic's is a ValueError)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{config_path}: damaged ({type(e).__name__}: {first}): the recipe the run trained with is "
+                        "unknown, so its model cannot be rebuilt; restore config.json from a copy") from None
     checkpoint_dir = run_dir / "checkpoints"
     tags = sorted(p.name for p in checkpoint_dir.glob(f"{checkpoint.TAG_PREFIX}*") if p.is_dir())
     if not tags:
@@ -51,7 +55,7 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="memtrain export", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m memtrain export", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--step", type=int, help="the model checkpoint of this step (default: the newest)")
     p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export-stepNNNNNNNN)")
