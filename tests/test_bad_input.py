@@ -198,6 +198,8 @@ def _files(tmp_path):
     (d / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')
     (d / "body.jsonl").write_text('{"body": "no text column", "id": 1}\n')
     (d / "list.jsonl").write_text('["a", "b"]\n')
+    (d / "chat.jsonl").write_text('this is not json\n{"messages": []}\n')
+    (d / "chat-keys.jsonl").write_text('{"conversations": []}\n')
     (d / "fake.parquet").write_text("a text file named .parquet\n" * 10)
     (d / "a-file").write_text("")
     (d / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
@@ -228,6 +230,13 @@ def _files(tmp_path):
      "expected an object with a 'text' field"),
     (_set("data.paths=[{d}/fake.parquet]"), "embedded recipe 'tiny': data.paths: {d}/fake.parquet: not a parquet file "
      "(Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file.)"),
+    (_set("data.format=chat", f"data.tokenizer={ROOT / 'data' / 'chat' / 'tokenizer'}", "data.paths=[{d}/chat.jsonl]"),
+     "embedded recipe 'tiny': data.paths: {d}/chat.jsonl: line 1: malformed JSON (Expecting value at column 1); "
+     "expected one JSON object per line"),
+    (_set("data.format=chat", f"data.tokenizer={ROOT / 'data' / 'chat' / 'tokenizer'}",
+          "data.paths=[{d}/chat-keys.jsonl]"),
+     "embedded recipe 'tiny': data.messages_key: 'messages' is not a field of {d}/chat-keys.jsonl (line 1 has: "
+     "conversations)"),
     (_set("data.cache_dir={d}/a-file/cache"), "embedded recipe 'tiny': data.cache_dir: '{d}/a-file/cache' cannot be "
      "created: '{d}/a-file' is a file, not a directory"),
     (_set("data.cache_dir={d}/a-file"), "embedded recipe 'tiny': data.cache_dir: '{d}/a-file' exists and is not a "
@@ -295,11 +304,11 @@ def test_tool_flags_one_line(capsys, module, argv, expected):
 
 
 def test_make_passes_budget_as_one_argument():
-    """`--budget -1GB` would read as a flag; the Makefile writes `--budget=$(BUDGET)`."""
+    """`--budget -1GB` would read as a flag; the Makefile writes `--budget="$(BUDGET)"`."""
     for target in ("plan", "report"):
         out = subprocess.run(["make", "-n", "-o", "setup", "-o", ".venv/.installed", target, "BUDGET=-1GB"], cwd=ROOT,
                              capture_output=True, text=True, timeout=60).stdout
-        assert "--budget=-1GB" in out, out
+        assert '--budget="-1GB"' in out, out
 
 
 def test_a_world_size_left_in_the_environment_trains_one_process(tmp_path):

@@ -103,6 +103,7 @@ def _read_texts(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[st
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
     groups: dict[str, list[str]] = {}
     for f in files:
         groups.setdefault(builder_for(f), []).append(str(f))
@@ -132,6 +133,7 @@ def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dic
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
     keys = [cfg.messages_key] if cfg.format == "chat" else [cfg.prompt_key, cfg.response_key]
     rows: list[dict] = []
     for f in files:

@@ -23,18 +23,26 @@ def check_seq_len(data: DataSection) -> None:
 
 
 def check_data_files(files: list[Path], data: DataSection) -> None:
+    """Each file's head: text, or JSON lines / parquet holding the column the data format reads."""
     from memtrain.model.data import builder_for
 
+    column = column_read(data)
     for f in files:
         builder = builder_for(f)
         if f.stat().st_size == 0:
             continue  # empty files are allowed beside others (check_text covers all-empty)
         if builder == "parquet":
-            _check_parquet(f, data.text_key)
+            _check_parquet(f, column)
         else:
             text = _head_text(f)
             if builder == "json":
-                _check_json(f, text, data.text_key)
+                _check_json(f, text, column)
+
+
+def column_read(data: DataSection) -> tuple[str, str]:
+    """(recipe key, column) of the column every record must hold for `data.format`."""
+    return {"text": ("text_key", data.text_key), "chat": ("messages_key", data.messages_key),
+            "instruction": ("prompt_key", data.prompt_key)}[data.format]
 
 
 def _head_text(f: Path) -> str:
@@ -51,7 +59,7 @@ def _head_text(f: Path) -> str:
         raise UserError(f"data.paths: {f}: {not_utf8(e)}") from None
 
 
-def _check_json(f: Path, head: str, key: str) -> None:
+def _check_json(f: Path, head: str, key: tuple[str, str]) -> None:
     """JSON lines (or one JSON array/object for .json), each record an object holding `key` as text."""
     lines = head.splitlines()
     if len(head.encode()) == HEAD and lines:
@@ -73,7 +81,7 @@ def _check_json(f: Path, head: str, key: str) -> None:
         _check_record(f, n, record, key)
 
 
-def _check_json_document(f: Path, key: str) -> None:
+def _check_json_document(f: Path, key: tuple[str, str]) -> None:
     try:
         doc = json.loads(f.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -83,16 +91,18 @@ def _check_json_document(f: Path, key: str) -> None:
         _check_record(f, n, record, key, what="record")
 
 
-def _check_record(f: Path, n: int, record, key: str, what: str = "line") -> None:
+def _check_record(f: Path, n: int, record, key: tuple[str, str], what: str = "line") -> None:
+    name, column = key
     if not isinstance(record, dict):
         raise UserError(f"data.paths: {f}: {what} {n}: a JSON {type(record).__name__}, expected an object "
-                        f"with a '{key}' field")
-    if key not in record:
-        raise UserError(f"data.text_key: '{key}' is not a field of {f} ({what} {n} has: "
+                        f"with a '{column}' field")
+    if column not in record:
+        raise UserError(f"data.{name}: '{column}' is not a field of {f} ({what} {n} has: "
                         f"{', '.join(list(record)[:8]) or 'no fields'})")
 
 
-def _check_parquet(f: Path, key: str) -> None:
+def _check_parquet(f: Path, key: tuple[str, str]) -> None:
+    name, key = key
     import pyarrow.parquet as pq
 
     try:
@@ -100,4 +110,4 @@ def _check_parquet(f: Path, key: str) -> None:
     except Exception as e:  # pyarrow's ArrowInvalid and OSError for a file that is no parquet
         raise UserError(f"data.paths: {f}: not a parquet file ({str(e).strip().splitlines()[0]})") from None
     if key not in names:
-        raise UserError(f"data.text_key: '{key}' is not a column of {f} (columns: {', '.join(names[:8])})")
+        raise UserError(f"data.{name}: '{key}' is not a column of {f} (columns: {', '.join(names[:8])})")

@@ -369,6 +369,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         files = [] if recipe.data.random_tokens else resolve_files(recipe.data)
         if files and recipe.data.format == "text":
             check_text(files, recipe.data)
+        if files:
             check_data_files(files, recipe.data)
         if files:
             run_dirs.check_creatable(Path(recipe.data.cache_dir), "data.cache_dir")
