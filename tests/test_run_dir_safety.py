@@ -233,6 +233,19 @@ def test_resume_past_damaged_checkpoints_equals_the_run(finished, tmp_path):
     assert _snapshot(run) == before
 
 
+def test_a_run_stopped_on_its_last_step_without_a_summary_resumes_to_completion(finished, tmp_path):
+    """Its last model checkpoint saved, summary.json not written (killed in final/) or removed (a sweep's rerun of a
+    preempted point): --resume completes it (no step, final/ and summary.json); a completed run refuses."""
+    run = _copy(finished, tmp_path)
+    (run / "summary.json").unlink()
+    shutil.rmtree(run / "final")
+    assert _resume_check(run).plan is not None
+    proc = run_train(["--run-dir", str(run), "--resume"])
+    assert_ok(proc)
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert (run / "final" / "config.json").is_file()
+
+
 def test_resume_continues_with_the_runs_saved_inputs(finished, tmp_path):
     """--resume alone takes the recipe and JSON the run was started with (not the defaults); flags given change them
     and are listed; a change to what the model checkpoints hold is one line, before anything is written."""

@@ -37,8 +37,9 @@ def check_resume(run_dir: Path, world_size: int, max_steps: int) -> checkpoint.R
         raise UserError(f"--resume: disk full: {checkpoint_dir} has {free / GIB:.2f} GiB free and a model checkpoint "
                         f"of this run takes {needed / GIB:.2f} GiB (the size of {point.tag}, which stays intact); "
                         "free space first")
-    if point.step >= max_steps and not (point.step == max_steps and _summary(run_dir).get("status") == "preempted"):
-        # (preempted on its last step: the resume runs no step and completes the run: final/, summary.json)
+    if point.step >= max_steps and not (point.step == max_steps and _summary(run_dir).get("status") != "completed"):
+        # (stopped on its last step, preempted or killed before its summary (a sweep's rerun removes a preempted
+        # point's summary.json): the resume runs no step and completes the run: final/, summary.json)
         raise UserError(f"--resume: {run_dir} has finished: {_status(run_dir)}its model checkpoint is at step "
                         f"{point.step} and train.max_steps is {max_steps}; its results are kept as they are "
                         "(pass a larger --max-steps to train further, or use a new --run-dir)")
