@@ -272,6 +272,8 @@ def test_resume_continues_with_the_runs_saved_inputs(finished, tmp_path):
         ("--set", "model.config.intermediate_size=256"): "model.config.intermediate_size: 352 -> 256 (--set)",
         ("--set", "train.trainable=[lm_head.weight]"): 'train.trainable: [] -> ["lm_head.weight"] (--set)',
         ("--deepspeed", str(ROOT / "ds_configs" / "zero2_ckpt.json")): "zero_optimization.stage: 3 -> 2 (--deepspeed)",
+        ("--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json")):
+            "tensor_parallel: (unset) -> {\"autotp_size\": 2} (--deepspeed)",
     }
     for flags, shown in refused.items():
         with pytest.raises(UserError) as e:
