@@ -65,6 +65,7 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
     assert "0 recompiles after the warm-up" in straight.stdout
     assert json.loads((whole / "summary.json").read_text())["compile"]["recompiles_after_warmup"] == []
 
+    _a_missing_rank_is_damage(whole, tmp_path / "rank1-lost")
     stopped = _preempted_run(split)
     assert_ok(stopped)
     summary = json.loads((split / "summary.json").read_text())
@@ -91,6 +92,25 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
     assert [s for s, _ in b["train/loss"]] == list(range(1, STEPS + 1))
     assert b["train/loss"] == a["train/loss"]  # exact: same data position, RNG, optimizer state
     assert b["train/lr"] == a["train/lr"]  # schedule and step counter restored
+
+
+def _a_missing_rank_is_damage(whole: Path, copy: Path) -> None:
+    """Rank 1's files gone from the newest checkpoint of a 2-rank run (a node's writes lost): that checkpoint is
+    damaged (its manifest says 2 ranks saved it; the files present alone would say 1), and --resume falls back to
+    the one before."""
+    import shutil
+
+    from memtrain.train.resume_check import check_resume
+
+    shutil.copytree(whole, copy)
+    newest = copy / "checkpoints" / tag_for(STEPS)
+    lost = sorted(p.name for p in newest.glob("*") if p.name.startswith(("rng_rank1", "zero_pp_rank_1_")))
+    assert len(lost) == 3 and json.loads((newest / "manifest.json").read_text()) == {"world_size": 2, "tp_size": 1}
+    for name in lost:
+        (newest / name).unlink()
+    point = check_resume(copy, 2, STEPS + 10)
+    assert point.tag == tag_for(9) and point.skipped == [(tag_for(STEPS), [f"{n} (missing)" for n in (
+        "rng_rank1.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt")])]
 
 
 def test_stop_signal_on_one_rank_stops_all_within_two_steps_and_a_last_step_stop_resumes_to_completed(tmp_path):

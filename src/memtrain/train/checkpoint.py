@@ -111,8 +111,13 @@ def remove_partial(checkpoint_dir: Path, step: int) -> None:
     shutil.rmtree(checkpoint_dir / f"{TMP_PREFIX}{tag_for(step)}", ignore_errors=True)
 
 
-def save(engine, checkpoint_dir: Path, step: int, keep_last: int) -> str:
+MANIFEST = "manifest.json"  # in each step directory: the world it was saved by, so a missing rank's files show
+
+
+def save(engine, checkpoint_dir: Path, step: int, keep_last: int, tp_size: int = 1) -> str:
     """Save model, optimizer, scheduler and RNG state after `step` completed steps."""
+    import json
+
     import deepspeed.comm as dist
 
     rank = dist.get_rank()
@@ -124,6 +129,9 @@ def save(engine, checkpoint_dir: Path, step: int, keep_last: int) -> str:
     dist.barrier()
     engine.save_checkpoint(str(checkpoint_dir), tag=tmp_tag, client_state={"step": step}, save_latest=False)
     torch.save(_rng_state(), checkpoint_dir / tmp_tag / f"rng_rank{rank}.pt")
+    if rank == 0:  # what a complete checkpoint of this run holds: every rank's files (`damage`)
+        atomic_write_text(checkpoint_dir / tmp_tag / MANIFEST,
+                          json.dumps({"world_size": dist.get_world_size(), "tp_size": tp_size}))
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
         final = checkpoint_dir / tag
@@ -165,10 +173,14 @@ def latest_path(checkpoint_dir: Optional[Path]) -> Optional[Path]:
 
 
 def load(engine, checkpoint_dir: Path) -> int:
-    """Restore the newest intact checkpoint into `engine`; returns the number of completed steps."""
+    """Restore the newest intact checkpoint into `engine`; returns the number of completed steps. Rank 0 decides
+    which one, after reading every file's zip directory; every rank loads that one (a node whose view of the
+    directory is stale cannot load another step), and no other rank opens a file it does not load."""
     import deepspeed.comm as dist
 
-    point = resume_point(checkpoint_dir)
+    chosen = [resume_point(checkpoint_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    point = chosen[0]
     tag = point.tag
     _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
     rng_file = checkpoint_dir / tag / f"rng_rank{dist.get_rank()}.pt"
@@ -214,32 +226,48 @@ def _unreadable(path: Path) -> Optional[str]:
     return None
 
 
-def damage(step_dir: Path) -> list[str]:
-    """What is wrong with one saved checkpoint: unreadable files, a rank without its files. [] = intact."""
+def damage(step_dir: Path, open_files: bool = True) -> list[str]:
+    """What is wrong with one saved checkpoint: unreadable files (each file's zip directory read: `open_files`), a
+    rank without its files (the manifest's world; a checkpoint saved without one: the ranks whose files are
+    there). [] = intact."""
     files = sorted(step_dir.glob("*.pt"))
     if not any(f.name.endswith("model_states.pt") for f in files):
         return ["no model states file" + ("" if files else " (the directory holds no checkpoint file)")]
-    bad = [f"{f.name} ({why})" for f in files if (why := _unreadable(f))]
-    ranks = {int(m.group(1)) for f in files if (m := _RANK_FILE.match(f.name))}
-    world = max(ranks, default=-1) + 1
-    for name in [f"rng_rank{rank}.pt" for rank in range(world)] + _shard_names(files, world):
-        if not (step_dir / name).is_file():
+    bad = [f"{f.name} ({why})" for f in files if (why := _unreadable(f))] if open_files else []
+    world, tp = _manifest(step_dir)
+    if world is None:
+        ranks = {int(m.group(1)) for f in files if (m := _RANK_FILE.match(f.name))}
+        world = max(ranks, default=-1) + 1
+    present = {f.name for f in files}
+    for name in [f"rng_rank{rank}.pt" for rank in range(world)] + _shard_names(files, world, tp):
+        if name not in present:
             bad.append(f"{name} (missing)")
     return bad
+
+
+def _manifest(step_dir: Path) -> tuple[Optional[int], Optional[int]]:
+    """(world size, tensor-parallel size) the checkpoint was saved with; (None, None) without a readable manifest."""
+    import json
+
+    try:
+        record = json.loads((step_dir / MANIFEST).read_text())
+        return int(record["world_size"]), int(record["tp_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
 
 
 _SHARD_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(.+)$")
 
 
-def _shard_names(files: list[Path], world: int) -> list[str]:
+def _shard_names(files: list[Path], world: int, tp: Optional[int] = None) -> list[str]:
     """The ZeRO shard files a checkpoint of `world` ranks must hold, in DeepSpeed's own layout: one set per
     (data-parallel rank, model-parallel rank), `zero_pp_rank_{dp}_mp_rank_{mp:02d}_*`, of the kinds that
-    (0, 0) has. The model-parallel (tensor-parallel) size is the number of mp ranks present; the data-parallel
-    size is the world over it."""
+    (0, 0) has. The model-parallel (tensor-parallel) size is `tp` (the manifest's), else the number of mp ranks
+    present; the data-parallel size is the world over it."""
     shards = [m for f in files if (m := _SHARD_FILE.match(f.name))]
     if not shards:
         return []
-    mp_size = max(int(m.group(2)) for m in shards) + 1
+    mp_size = tp or max(int(m.group(2)) for m in shards) + 1
     width = len(shards[0].group(2))
     kinds = sorted({m.group(3) for m in shards if int(m.group(1)) == 0 and int(m.group(2)) == 0})
     return [f"zero_pp_rank_{dp}_mp_rank_{mp:0{width}d}_{kind}"
@@ -247,7 +275,7 @@ def _shard_names(files: list[Path], world: int) -> list[str]:
 
 
 def saved_world_size(step_dir: Path) -> int:
-    return len(list(step_dir.glob("rng_rank*.pt")))
+    return _manifest(step_dir)[0] or len(list(step_dir.glob("rng_rank*.pt")))
 
 
 def saved_tp_size(step_dir: Path) -> int:
@@ -268,11 +296,12 @@ class ResumePoint:
                 f"resuming from {self.tag}; it is moved to {DAMAGED_PREFIX}{tag}" for tag, bad in self.skipped]
 
 
-def resume_point(checkpoint_dir: Path) -> ResumePoint:
-    """The newest intact checkpoint; damaged newer ones are skipped (and named), never deleted."""
+def resume_point(checkpoint_dir: Path, open_files: bool = True) -> ResumePoint:
+    """The newest intact checkpoint; damaged newer ones are skipped (and named), never deleted. Without
+    `open_files`, by the files' names only (a rank other than 0, whose choice rank 0's replaces: `load`)."""
     skipped = []
     for tag in reversed(_tags(checkpoint_dir)):
-        bad = damage(checkpoint_dir / tag)
+        bad = damage(checkpoint_dir / tag, open_files)
         if not bad:
             return ResumePoint(tag, int(tag[len(TAG_PREFIX):]), saved_world_size(checkpoint_dir / tag), skipped)
         skipped.append((tag, bad))

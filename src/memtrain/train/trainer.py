@@ -590,7 +590,7 @@ def _save_checked(engine, run_dir: Path, step: int, t, tp_size: int) -> None:
     if short.item():
         raise RunFailed(disk_full_message(step, run_dir, needed, how, free))
     try:
-        checkpoint.save(engine, checkpoint_dir, step, t.keep_last)
+        checkpoint.save(engine, checkpoint_dir, step, t.keep_last, tp_size)
     except (OSError, RuntimeError) as e:  # filled by someone else meanwhile: this rank cannot go on
         if not checkpoint.is_disk_full(e):
             raise
