@@ -167,6 +167,47 @@ def test_a_node_check_failed_on_rank_1_alone_is_printed_by_rank_1(tmp_path):
     assert "DistStoreError" not in out[0]
 
 
+def test_host_memory_counts_every_agents_ranks_on_the_node(tmp_path):
+    """Two torchrun agents of one rank each on one node (one memory cgroup of 11 GiB: room for one rank's 6.8 GiB of
+    host memory, ZeRO-3 over 2 ranks, not for two): each agent's worker sees only its own rank before the ranks meet
+    and passes; once they meet, the ranks on this host are counted across agents and both stop with the host-memory
+    line for 2 ranks, as one agent of 2 ranks is refused."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from conftest import TRAIN, _env, _free_port
+
+    group = _memory_cgroup(f"memtrain-test-agents-{os.getpid()}", 11 << 30)
+    if group is None:
+        pytest.skip("no memory cgroup can be made here (not root, or no memory controller)")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=agents", "--max-restarts=0",
+           str(TRAIN), "--deepspeed", str(ROOT / "ds_configs" / "zero3_offload.json"),
+           "--recipe", str(ROOT / "recipes" / "llama-1b.yaml"), "--set", "model.config.num_hidden_layers=2",
+           "--set", "data.random_tokens=true", "--set", "train.collective_timeout_s=120",
+           "--run-dir", str(tmp_path / "run"), "--max-steps", "1"]
+    wrap = ["bash", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$@"', "bash"]
+    agents = []
+    try:
+        agents = [subprocess.Popen([*wrap, *cmd], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True) for _ in range(2)]
+        out = [a.communicate(timeout=400)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, 9)
+        os.rmdir(group)
+    lines = [line for text in out for line in text.splitlines() if "memtrain: error:" in line]
+    assert lines and all(" host memory: 2 rank(s) on this node x 6.8 GiB each" in line for line in lines), \
+        "\n".join(out)[-6000:]
+    assert all(a.returncode != 0 for a in agents)
+
+
 def test_node_errors_print_once_per_node_and_launch(monkeypatch, capsys):
     """Where several ranks of one node meet the same node error (the host-memory check on every rank of an 8-GPU
     node), the first prints it and the rest do not; other words print; rank 0's input errors alone print. In-process:

@@ -330,16 +330,18 @@ def _trainable_line(model, recipe) -> str:
             "the rest frozen: no gradient, no optimizer state")
 
 
-def check_host_memory(prediction, world_size: int) -> None:
+def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] = None) -> None:
     """The node's ranks each hold their offloaded activations and model states (pinned pools, host Adam states)
     in host memory; on a CPU run their whole peak is host memory. Against what this node can still allocate
-    (MemAvailable, the cgroup's room: a Slurm job's --mem), before any worker starts: one line."""
+    (MemAvailable, the cgroup's room: a Slurm job's --mem), before any worker starts: one line. `ranks_on_node`:
+    counted across the node's launcher agents once the ranks have met (the trainer); before, this agent's ranks."""
     import os
     import socket
 
     from memtrain.memory.host import available_bytes
 
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # a worker knows its node's; make train: all
+    # a worker knows its agent's ranks; make train: all
+    ranks = ranks_on_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     states = prediction.model_states
     per_rank = prediction.host_activations + states.host
     if run_device() == "cpu":

@@ -41,7 +41,7 @@ from memtrain.model.zero_init import build_model_zero3
 from memtrain.recompute import partition
 from memtrain.train import parallel
 from memtrain.train import rng
-from memtrain.train.preflight import check_run
+from memtrain.train.preflight import check_host_memory, check_run
 from memtrain.train import long_context
 from memtrain.train import signals
 from memtrain.train.zero3_probe import OpCounter, Zero3Probe, summarize
@@ -147,6 +147,21 @@ def is_boundary(done: int, t, every: int) -> bool:
     A pure function of the step, so every rank stops at the same ones."""
     return (done % every == 0 or done == t.max_steps or done == t.metric_warmup_steps
             or bool(t.save_interval and done % t.save_interval == 0))
+
+
+def _check_the_nodes_host_memory(checked, world: int) -> None:
+    """The host-memory check again, with every rank on this host counted: several launcher agents on one node (2 x 4
+    ranks instead of 1 x 8) each saw only their own ranks before the ranks met. One all-gather of host names."""
+    import deepspeed.comm as dist
+
+    if world == 1:
+        return
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    here = hosts.count(socket.gethostname())
+    if here > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        prediction = checked.memory_plan.prediction if checked.memory_plan is not None else checked.prediction
+        check_host_memory(prediction, world, ranks_on_node=here)
 
 
 def _choose_run_dir(args: RunArgs, rank: int) -> tuple[Path, Optional[str]]:
@@ -278,6 +293,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     _meet(timeout)
     _groups_wait_as_long_as_the_world(timeout)
     rank = dist.get_rank()
+    _check_the_nodes_host_memory(checked, world)
     agreement = signals.StopAgreement(world)  # a stop signal on any rank stops all within two steps
     memory_plan, compiled = checked.memory_plan, checked.compile
     if memory_plan is not None or t.compile == "auto":
