@@ -30,6 +30,7 @@ from memtrain.model.freeze import count_trainable
 from memtrain.model.chat_data import check_template
 from memtrain.model.lora import add_lora
 from memtrain.model.moe import experts_line
+from memtrain.model.pretrained import check_pretrained
 from memtrain.memory.target import compute_dtype
 from memtrain.memory.planner import predict_run
 from memtrain.units import GIB
@@ -379,6 +380,8 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
                                 "apart across its slices; use data.format text or parallel.sequence 1")
         config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
         model = build_on_meta(recipe.model, config)  # transformers' own checks of the config values
+        if recipe.model.pretrained:  # its weight files whole, of the shapes this model has (no tensor read)
+            check_pretrained(recipe.model, model)
         if recipe.model.lora is not None:  # the adapted model: its names, layers and what trains
             add_lora(model, recipe.model.lora)
         trained = _trainable_line(model, recipe)
