@@ -1,5 +1,6 @@
-"""model.pretrained inputs (memtrain.model.pretrained): each mistake one line from the preflight, before any worker
-starts and with nothing written. A tiny Llama saved with save_pretrained beside a small byte-level BPE tokenizer."""
+"""model.pretrained inputs (memtrain.model.pretrained, the data.tokenizer default): each mistake one line from the
+preflight, before any worker starts and with nothing written; the pretrained directory's own tokenizer used when
+data.tokenizer is unset. A tiny Llama saved with save_pretrained beside a small byte-level BPE tokenizer."""
 from __future__ import annotations
 
 import json
@@ -160,3 +161,57 @@ def test_model_config_override_that_disagrees_with_the_checkpoint(pretrained, tm
                          "gives no weight; drop it (--set model.config={}) to train the checkpoint as saved")
     # an override that changes no parameter (attention dropout) stays legal
     _check(tmp_path, f"model.pretrained={pretrained}", "model.config={attention_dropout: 0.1}")
+
+
+def test_pretrained_tokenizer_is_the_default(pretrained, tmp_path):
+    checked, _ = _check(tmp_path, f"model.pretrained={pretrained}", "model.config={}")
+    assert checked.tokenizer.name == str(pretrained.resolve()) and checked.tokenizer.vocab_size == VOCAB
+    assert not [w for w in checked.warnings if "data.tokenizer" in w]
+    recipe = load_recipe(None, [f"model.pretrained={pretrained}"])
+    assert recipe.data.tokenizer == str(pretrained)  # what config.json records, export and final/ read
+    assert load_recipe(None, []).data.tokenizer == "byte"  # no pretrained model: byte, as before
+    bare = _copy(pretrained, tmp_path, "bare")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / f).unlink()
+    assert load_recipe(None, [f"model.pretrained={bare}"]).data.tokenizer == "byte"
+    checked, _ = _check(tmp_path, f"model.pretrained={bare}", "model.config={}")
+    assert checked.tokenizer.name == "byte" and [w for w in checked.warnings if w.startswith("data.tokenizer:")] == [
+        "data.tokenizer: byte (ids 0..256) with model.pretrained's vocabulary of 300: the model trains on byte ids, "
+        f"not the tokens it was pretrained on; {bare} holds no tokenizer: set data.tokenizer to the model's "
+        "tokenizer directory"]
+    # explicit byte with a vocabulary of 300: legal, with a warning line
+    checked, _ = _check(tmp_path, f"model.pretrained={pretrained}", "model.config={}", "data.tokenizer=byte")
+    assert [w for w in checked.warnings if w.startswith("data.tokenizer:")] == [
+        "data.tokenizer: byte (ids 0..256) with model.pretrained's vocabulary of 300: the model trains on byte ids, "
+        f"not the tokens it was pretrained on; leave data.tokenizer unset to use the tokenizer in {pretrained}"]
+
+
+def test_tokenizer_larger_than_the_embeddings(pretrained, tmp_path):
+    big = tmp_path / "big-tokenizer"
+    _tokenizer(VOCAB + 40).save_pretrained(big)
+    assert _error(tmp_path, f"model.pretrained={pretrained}", "model.config={}", f"data.tokenizer={big}") == (
+        "embedded recipe 'tiny': data.tokenizer: its 340 token ids do not fit model.pretrained's 300 "
+        f"embedding rows (vocab_size in {pretrained / 'config.json'}); use the model's own tokenizer (the default "
+        "when data.tokenizer is unset and the pretrained directory holds one)")
+
+
+def test_a_run_trains_on_the_pretrained_tokenizers_ids(pretrained, tmp_path):
+    """One real run: the packed corpus holds the pretrained tokenizer's ids; config.json records that tokenizer, and
+    final/ and `memtrain export` write it."""
+    from transformers import AutoTokenizer
+
+    from memtrain.tools.export import export
+
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((ROOT / "docs" / "fine-tuning.md").read_text() * 3)
+    assert_ok(run_train([*FAST, *OWN, "--set", f"model.pretrained={pretrained}", "--set", f"data.paths=[{corpus}]",
+                         "--set", f"data.cache_dir={cache}", "--max-steps", "2", "--run-dir", str(run)]))
+    packed = np.load(next(cache.glob("packed-*.npy")))
+    want = AutoTokenizer.from_pretrained(pretrained)(corpus.read_text(), add_special_tokens=False)["input_ids"]
+    assert packed.max() >= 257 and packed.reshape(-1)[:500].tolist() == want[:500]
+    assert json.loads((run / "config.json").read_text())["recipe"]["data"]["tokenizer"] == str(pretrained)
+    own = AutoTokenizer.from_pretrained(pretrained).get_vocab()
+    for written in (run / "final", export(run)):  # final/, and memtrain export of the last step
+        tok = AutoTokenizer.from_pretrained(written)
+        assert len(tok) == VOCAB and tok.get_vocab() == own
