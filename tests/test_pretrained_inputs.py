@@ -163,6 +163,19 @@ def test_model_config_override_that_disagrees_with_the_checkpoint(pretrained, tm
     _check(tmp_path, f"model.pretrained={pretrained}", "model.config={attention_dropout: 0.1}")
 
 
+def test_override_that_resizes_fused_experts(tmp_path):
+    """Mixtral's experts are stored one tensor each and built as one fused tensor (transformers converts on load):
+    the override is compared with the model the checkpoint's own config builds."""
+    d = tmp_path / "mixtral"
+    section = ModelSection(type="mixtral", config={**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2})
+    build_model(section, build_config(section, vocab_size=VOCAB, seq_len=64)).save_pretrained(d)
+    _check(tmp_path, f"model.pretrained={d}", "model.config={}")
+    assert _error(tmp_path, f"model.pretrained={d}", "model.config={intermediate_size: 96}") == (
+        "embedded recipe 'tiny': model.config: intermediate_size 96 (config.json: 64) disagrees with model.pretrained: "
+        "model.layers.0.mlp.experts.gate_up_proj is [4, 192, 32] in the configured model, [4, 128, 32] in the "
+        "checkpoint's; drop it (--set model.config={}) to train the checkpoint as saved")
+
+
 def test_pretrained_tokenizer_is_the_default(pretrained, tmp_path):
     checked, _ = _check(tmp_path, f"model.pretrained={pretrained}", "model.config={}")
     assert checked.tokenizer.name == str(pretrained.resolve()) and checked.tokenizer.vocab_size == VOCAB

@@ -130,8 +130,13 @@ def check_pretrained(section, model) -> None:
             if differing:
                 raise UserError(f"model.config: {keys} disagrees with model.pretrained: {what}; {fix}")
             raise UserError(f"model.pretrained: {what} (the model its config.json describes)")
-    if differing:  # names the checkpoint's own config does not give: loaded as random, or dropped
-        own = _own_parameters(section)
+    if differing:  # against the model the checkpoint's own config builds: tensors stored under other names
+        own = _own_parameters(section)  # (fused MoE experts) of other shapes, and parameters loaded as random
+        resized = [n for n, p in params.items() if n in own and tuple(p.shape) != own[n]]
+        if resized:
+            n = resized[0]
+            raise UserError(f"model.config: {keys} disagrees with model.pretrained: {n} is {list(params[n].shape)} in "
+                            f"the configured model, {list(own[n])} in the checkpoint's; {fix}")
         extra = [n for n in params if n not in own] or [n for n in own if n not in params]
         if extra:
             side = "the configured model has" if extra[0] in params else "the configured model lacks"
