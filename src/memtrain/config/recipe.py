@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
-                      ValidationError, field_validator)
+                      ValidationError, field_validator, model_validator)
 
 from memtrain.errors import UserError, not_utf8
 
@@ -83,8 +83,10 @@ class DataSection(_Strict):
     """Files or glob patterns (.txt, .md, .py, .jsonl, .json, .parquet). Empty: Python's stdlib sources."""
     text_key: str = "text"
     """Column holding text in JSONL/parquet files."""
-    tokenizer: str = "byte"
-    """'byte' (256 byte values + EOS) or a local Hugging Face tokenizer directory."""
+    tokenizer: Optional[str] = None
+    """'byte' (256 byte values + EOS) or a local Hugging Face tokenizer directory. Unset: model.pretrained's own
+    tokenizer when its directory holds one, else 'byte' (the validated recipe, and so a run's config.json, holds
+    the one chosen: `Recipe` fills it in)."""
     seq_len: PositiveInt = 128
     max_bytes: Optional[PositiveInt] = 8_000_000
     """Read at most this many bytes of text (keeps the default corpus small)."""
@@ -235,6 +237,25 @@ class Recipe(_Strict):
     train: TrainSection = Field(default_factory=TrainSection)
     activation_checkpointing: ACSection = Field(default_factory=ACSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
+
+    @model_validator(mode="after")
+    def _default_tokenizer(self):
+        """data.tokenizer left unset: the pretrained directory's own tokenizer, else memtrain's byte tokenizer."""
+        if self.data.tokenizer is None:
+            self.data.tokenizer = pretrained_tokenizer(self.model.pretrained) or "byte"
+        return self
+
+
+# Files of which AutoTokenizer builds a tokenizer (fast, sentencepiece, BPE vocabularies, WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt")
+
+
+def pretrained_tokenizer(pretrained: Optional[str]) -> Optional[str]:
+    """`pretrained` when that directory ships a tokenizer (what data.tokenizer defaults to), else None."""
+    if pretrained and any((Path(pretrained) / name).is_file() for name in TOKENIZER_FILES):
+        return pretrained
+    return None
 
 
 # --------------------------------------------------------------------------- loading

@@ -26,7 +26,13 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
         except Exception as e:  # transformers' config validators raise several types
             raise UserError(f"model.pretrained: {Path(section.pretrained) / 'config.json'}: "
                             f"{_first_line(e)}") from None
-        _check_shapes(lambda name: getattr(config, name, None), lambda name: name, vocab_size, seq_len)
+        _check_shapes(lambda name: getattr(config, name, None), lambda name: name, 0, seq_len)
+        if config.vocab_size < vocab_size:  # ids past the embedding's rows: an index error in the first forward
+            where = "model.config.vocab_size" if "vocab_size" in section.config else \
+                f"vocab_size in {Path(section.pretrained) / 'config.json'}"
+            raise UserError(f"data.tokenizer: its {vocab_size} token ids do not fit model.pretrained's "
+                            f"{config.vocab_size} embedding rows ({where}); use the model's own tokenizer (the "
+                            "default when data.tokenizer is unset and the pretrained directory holds one)")
     else:
         if section.type not in CONFIG_MAPPING:
             close = difflib.get_close_matches(section.type, list(CONFIG_MAPPING.keys()), n=1)

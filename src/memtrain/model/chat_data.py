@@ -31,7 +31,7 @@ def check_template(tokenizer, cfg: DataSection) -> None:
     """One line when the format needs a chat template the tokenizer lacks."""
     template = getattr(tokenizer.hf, "chat_template", None)
     if not template:
-        what = "memtrain's byte tokenizer" if cfg.tokenizer == "byte" else f"the tokenizer in {cfg.tokenizer}"
+        what = "memtrain's byte tokenizer" if cfg.tokenizer in ("byte", None) else f"the tokenizer in {cfg.tokenizer}"
         raise UserError(f"data.format: '{cfg.format}' renders samples with the tokenizer's chat template, and "
                         f"{what} has none; set data.tokenizer to a local tokenizer directory whose "
                         "tokenizer_config.json has a chat_template")

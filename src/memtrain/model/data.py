@@ -12,6 +12,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -66,8 +67,9 @@ class HFTokenizer:
         return [np.asarray(x, dtype=np.int64) for x in ids]
 
 
-def build_tokenizer(spec: str):
-    if spec == "byte":
+def build_tokenizer(spec: Optional[str]):
+    """data.tokenizer as the validated recipe holds it (memtrain.config.recipe fills in the default)."""
+    if spec in ("byte", None):
         return ByteTokenizer()
     if not Path(spec).is_dir():
         raise NodeError(f"data.tokenizer: '{spec}' is neither 'byte' nor an existing tokenizer directory")
@@ -288,12 +290,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def save_tokenizer(spec: str, out: Path) -> None:
+def save_tokenizer(spec: Optional[str], out: Path) -> None:
     """The run's tokenizer: a local HF tokenizer is copied; memtrain's 'byte' tokenizer (ids 0..255 =
     UTF-8 bytes, 256 = EOS) is written as an equivalent byte-level fast tokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if spec != "byte":
+    if spec not in ("byte", None):
         AutoTokenizer.from_pretrained(spec, local_files_only=True).save_pretrained(out)
         return
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -30,6 +30,7 @@ from memtrain.model.freeze import count_trainable
 from memtrain.model.chat_data import check_template
 from memtrain.model.lora import add_lora
 from memtrain.model.moe import experts_line
+from memtrain.model.pretrained import check_pretrained
 from memtrain.memory.target import compute_dtype
 from memtrain.memory.planner import predict_run
 from memtrain.units import GIB
@@ -43,7 +44,7 @@ from memtrain.errors import NodeError, UserError, cli_entry
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
 from memtrain.config.zero3 import Zero3Layout, zero3_layout
 from memtrain.recompute.hooks import apply_plan
-from memtrain.config.recipe import DataSection
+from memtrain.config.recipe import DataSection, pretrained_tokenizer
 from memtrain.recompute.partition import with_expected_bytes
 from memtrain.train.parallel import check_autotp_model, check_tensor_parallel
 from memtrain.config.ds_config import tp_size
@@ -330,6 +331,18 @@ def _trainable_line(model, recipe) -> str:
             "the rest frozen: no gradient, no optimizer state")
 
 
+def _byte_tokenizer_warning(recipe, tokenizer, config) -> list[str]:
+    """memtrain's byte tokenizer with a pretrained model whose vocabulary is not byte-sized: legal (a test of the
+    pipeline), but the model then trains on ids that meant other tokens to it."""
+    if tokenizer.name != "byte" or config.vocab_size == tokenizer.vocab_size:
+        return []
+    own = pretrained_tokenizer(recipe.model.pretrained)
+    fix = (f"leave data.tokenizer unset to use the tokenizer in {own}" if own else
+           f"{recipe.model.pretrained} holds no tokenizer: set data.tokenizer to the model's tokenizer directory")
+    return [f"data.tokenizer: byte (ids 0..256) with model.pretrained's vocabulary of {config.vocab_size}: the "
+            f"model trains on byte ids, not the tokens it was pretrained on; {fix}"]
+
+
 def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] = None) -> None:
     """The node's ranks each hold their offloaded activations and model states (pinned pools, host Adam states)
     in host memory; on a CPU run their whole peak is host memory. Against what this node can still allocate
@@ -384,6 +397,9 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
                                 "apart across its slices; use data.format text or parallel.sequence 1")
         config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
         model = build_on_meta(recipe.model, config)  # transformers' own checks of the config values
+        if recipe.model.pretrained:  # its weight files whole, of the shapes this model has (no tensor read)
+            check_pretrained(recipe.model, model)
+            warnings += _byte_tokenizer_warning(recipe, tokenizer, config)
         if recipe.model.lora is not None:  # the adapted model: its names, layers and what trains
             add_lora(model, recipe.model.lora)
         trained = _trainable_line(model, recipe)
