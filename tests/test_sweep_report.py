@@ -251,3 +251,14 @@ def test_a_sweep_never_deletes_a_finished_run(tmp_path, monkeypatch):
     aside = list((sweep.runs_dir / SET_ASIDE).iterdir())
     assert len(aside) == 1 and aside[0].name.startswith(p.id) and _tree_digest(aside[0]) == finished
     assert sorted(x.name for x in p.run_dir.iterdir()) == ["point.json"]  # the new run starts clean
+
+
+def test_slurm_sweeps_on_gpu_nodes_ask_for_their_cpu_share():
+    """`sinfo -h -o '%c %G'` per node type: each GPU gets the smallest node type's CPUs per GPU (a point with 8 ranks
+    on 128-core 8-GPU nodes asks for 128 CPUs, not the partition's default of 1); CPU-only clusters: 0."""
+    from memtrain.tools.slurm import cpus_per_gpu
+
+    assert cpus_per_gpu("128 gpu:h100:8(S:0-1)\n") == 16
+    assert cpus_per_gpu("128 gpu:h100:8(S:0-1)\n96 gpu:a100:8\n2 (null)\n") == 12  # CPU-only nodes do not count
+    assert cpus_per_gpu("64 gpu:4,shard:8\n") == 16 and cpus_per_gpu("4 gpu:8\n") == 1
+    assert cpus_per_gpu("2 (null)\n") == 0 and cpus_per_gpu("") == 0

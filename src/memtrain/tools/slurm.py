@@ -32,15 +32,27 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:
     return proc.stdout
 
 
-def _has_gpus() -> bool:
-    """Whether the cluster's nodes have GPUs (sinfo's generic resources)."""
-    return "gpu" in _run(["sinfo", "-h", "-o", "%G"])
+def cpus_per_gpu(sinfo: str) -> int:
+    """The CPUs each GPU can have on every GPU node type of `sinfo -h -o '%c %G'` (CPUs and generic resources per
+    node type, e.g. '128 gpu:h100:8(S:0-1)'): the smallest share, at least 1; 0 where no node has GPUs."""
+    shares = []
+    for line in sinfo.splitlines():
+        cpus, _, gres = line.strip().partition(" ")
+        gpus = re.search(r"\bgpu(?::[\w.-]+)*:(\d+)", gres)
+        if gpus and cpus.isdigit() and int(gpus.group(1)):
+            shares.append(max(1, int(cpus) // int(gpus.group(1))))
+    return min(shares, default=0)
 
 
 def resource_args(ranks: int) -> tuple[list[str], dict[str, str]]:
-    """One node per point with `ranks` ranks: GPUs where the cluster has them, else CPU ranks."""
-    if _has_gpus():
-        return [f"--gpus-per-node={ranks}"], {}
+    """One node per point with `ranks` ranks: GPUs where the cluster has them, each with its node's share of the CPUs
+    (without a CPU request the partition's default, often 1, would leave the agent and all its ranks one core), else
+    CPU ranks. SBATCH_CPUS_PER_GPU or SBATCH_CPUS_PER_TASK, where set, decide instead."""
+    share = cpus_per_gpu(_run(["sinfo", "-h", "-o", "%c %G"]))
+    if share:
+        cpus = [] if {"SBATCH_CPUS_PER_GPU", "SBATCH_CPUS_PER_TASK"} & set(os.environ) else \
+            [f"--cpus-per-task={share * ranks}"]
+        return [f"--gpus-per-node={ranks}", *cpus], {}
     return [f"--cpus-per-task={ranks}"], {"NPROC_PER_NODE": str(ranks)}
 
 
