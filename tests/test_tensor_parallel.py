@@ -178,6 +178,21 @@ def test_bad_autotp_size_is_one_line(tmp_path, capsys, tensor_parallel, world, s
     assert len(err) == 1 and err[0].startswith("memtrain: error: ") and expected in err[0], err
 
 
+def test_tensor_parallel_groups_across_nodes_warn(tmp_path, monkeypatch):
+    """4 ranks as 2 nodes of 2 (each worker's LOCAL_WORLD_SIZE): AutoTP 4's group spans both: a warning line; on one
+    node of 4 none."""
+    from memtrain.config.args import parse_args
+
+    args = parse_args(["--deepspeed", _ds(tmp_path, {"autotp_size": 4})])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    spans = [w for w in preflight.check_run(args, 4).warnings if "span nodes" in w]
+    assert spans == [f"{tmp_path / 'ds.json'}: tensor_parallel.autotp_size 4: its groups of 4 consecutive ranks span "
+                     "nodes (2 rank(s) per node), so each layer's all-reduces cross the inter-node network; use a size "
+                     "that divides the ranks per node"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert not [w for w in preflight.check_run(args, 4).warnings if "span nodes" in w]
+
+
 def test_bad_autotp_size_subprocess(tmp_path):
     """The real command: one stderr line, exit 2, nothing else."""
     proc = subprocess.run([sys.executable, "-m", "memtrain.train.preflight", "--world-size", "2",

@@ -343,6 +343,22 @@ def _byte_tokenizer_warning(recipe, tokenizer, config) -> list[str]:
             f"model trains on byte ids, not the tokens it was pretrained on; {fix}"]
 
 
+def groups_across_nodes(tp: int, sp: int, world_size: int, source: str) -> list[str]:
+    """A tensor- or sequence-parallel group of consecutive ranks that spans nodes (its size above the ranks per node, or
+    not dividing them) puts every layer's all-reduces or all-to-alls on the inter-node fabric: a warning line."""
+    import os
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # a worker knows its agent's; make train: all
+    found = []
+    for key, size, what in ((f"{source}: tensor_parallel.autotp_size", tp, "all-reduces"),
+                            ("parallel.sequence", sp, "all-to-alls")):
+        if size > 1 and per_node % size:
+            found.append(f"{key} {size}: its groups of {size} consecutive ranks span nodes ({per_node} rank(s) per "
+                         f"node), so each layer's {what} cross the inter-node network; use a size that divides the "
+                         "ranks per node")
+    return found
+
+
 def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] = None) -> None:
     """The node's ranks each hold their offloaded activations and model states (pinned pools, host Adam states)
     in host memory; on a CPU run their whole peak is host memory. Against what this node can still allocate
@@ -453,6 +469,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         prediction = replace(prediction, notes=prediction.notes + (EAGER_PREDICTION,))
     check_host_memory(prediction, world_size)
     warnings += _recipe_overrides(args.ds_config, source, recipe, world_size)
+    warnings += groups_across_nodes(tp_size(args.ds_config), recipe.parallel.sequence, world_size, source)
     warnings += [w for w in (ds_checks.build_notice(resolved),) if w]
     warnings += ds_checks.clear_stale_build_locks()
     warnings += [f"{source}: activation_checkpointing.{key}: true is ignored by the torch backend (DeepSpeed's "
