@@ -229,3 +229,26 @@ def test_tensor_parallel_run_resumes_exactly(tmp_path):
     ref = dict(read_scalars(straight / "tb")["train/loss"])
     got = dict(read_scalars(stopped / "tb")["train/loss"])
     assert [got[5], got[6]] == [ref[5], ref[6]]
+
+
+def test_timed_saves_are_agreed_on_every_rank_and_on_by_default_in_a_slurm_job(tmp_path):
+    """train.save_every_minutes: rank 0's clock decides, the stop agreement's all-reduce carries it, and both ranks
+    save at the same steps: each timed checkpoint is complete (2 ranks' files, as its manifest says). In a Slurm job
+    (SLURM_JOB_ID) timed saves are on by default (what a requeue after a lost node resumes from) and the plan says so."""
+    from memtrain.train.checkpoint import damage
+
+    run = tmp_path / "run"
+    env = {**_env(), "SLURM_JOB_ID": "4242"}
+    proc = run_train([*FAST, "--max-steps", "12", "--set", "train.log_every=1000", "--set", "train.keep_last=100",
+                      "--set", "train.save_every_minutes=0.003", "--run-dir", str(run)], nproc=2, env=env)
+    assert_ok(proc)
+    assert "model checkpoints: every 0.003 min of training (train.save_every_minutes), on a stop signal and at the " \
+           "end" in proc.stdout
+    steps = sorted(int(p.name[4:]) for p in (run / "checkpoints").glob("step*"))
+    assert len(steps) >= 3 and steps[-1] == 12, steps  # timed ones between, and the last
+    for step in steps:
+        assert damage(run / "checkpoints" / tag_for(step)) == [], step
+    default = run_train([*FAST, "--max-steps", "1", "--run-dir", str(tmp_path / "default")], env=env)
+    assert_ok(default)
+    assert "model checkpoints: every 30 min of training (a Slurm job's default), on a stop signal and at the end" \
+        in default.stdout

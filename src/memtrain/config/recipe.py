@@ -127,7 +127,11 @@ class TrainSection(_Strict):
     metric_warmup_steps: NonNegativeInt = 3
     """Steps excluded from throughput/time medians (compilation, allocator warm-up)."""
     save_interval: NonNegativeInt = 0
-    """Save a model checkpoint every N steps (0: only at the end)."""
+    """Save a model checkpoint every N steps (0: only at the end, on a stop signal and by save_every_minutes)."""
+    save_every_minutes: Optional[float] = Field(None, ge=0)
+    """Also save a model checkpoint once this many minutes of training passed since the last save (rank 0's clock,
+    agreed on by every rank within two steps). Default: 30 in a Slurm job (what a requeue after a lost node resumes
+    from), else off; 0: off."""
     keep_last: PositiveInt = 2
     """Model checkpoints to keep; older ones are deleted."""
     save_checkpoints: bool = True

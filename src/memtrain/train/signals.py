@@ -145,28 +145,50 @@ def names(flags) -> list[str]:
 class StopAgreement:
     """Every rank learns of a stop signal on any rank within two steps, at the same step, with no host-device
     sync: after each step an asynchronous all-reduce of this rank's flags starts on a gloo group (host memory,
-    also under NCCL), and the next step's call waits for it (long since done: a whole step ran meanwhile)."""
+    also under NCCL), and the next step's call waits for it (long since done: a whole step ran meanwhile).
+    The same all-reduce carries rank 0's "a timed save is due" (`save_every_s` since the last save, by its clock):
+    the ranks' clocks differ, so rank 0 decides and every rank saves at the same step."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, save_every_s: Optional[float] = None, rank: int = 0) -> None:
+        import time
+
         import torch.distributed as dist
 
         # every rank creates the group, at the same point of its start-up
         self.group = dist.new_group(backend="gloo") if world > 1 else None
         self.pending = None
+        self.save_every_s, self.rank = save_every_s, rank
+        self.last_save = time.monotonic()
+        self.save_due = False  # agreed: every rank saves at this step's boundary
+
+    def saved(self) -> None:
+        """A model checkpoint was saved: the timed save's clock starts again."""
+        import time
+
+        self.last_save = time.monotonic()
+
+    def _due_here(self) -> float:
+        import time
+
+        return float(self.rank == 0 and self.save_every_s is not None
+                     and time.monotonic() - self.last_save >= self.save_every_s)
 
     def step(self) -> list[str]:
-        """After a step: the signals that some rank had received by the end of the previous step."""
+        """After a step: the signals that some rank had received by the end of the previous step (and, in
+        `save_due`, whether rank 0 had found a timed save due by then)."""
         import torch
         import torch.distributed as dist
 
         if self.group is None:
+            self.save_due = bool(self._due_here())
             return [received()] if received() else []
-        decided = []
+        decided, self.save_due = [], False
         if self.pending is not None:
             work, flags = self.pending
             work.wait()
-            decided = names(flags.tolist())
-        flags = torch.tensor(one_hot())
+            values = flags.tolist()
+            decided, self.save_due = names(values[:-1]), values[-1] > 0
+        flags = torch.tensor(one_hot() + [self._due_here()])
         self.pending = (dist.all_reduce(flags, group=self.group, async_op=True), flags)
         return decided
 

@@ -137,6 +137,18 @@ def set_local_device() -> torch.device:
     return torch.device("cpu")
 
 
+SLURM_SAVE_EVERY_MINUTES = 30.0  # a Slurm job's default: a requeue after a lost node loses at most this much
+
+
+def save_every_s(train) -> Optional[float]:
+    """Seconds between timed model checkpoints (train.save_every_minutes; in a Slurm job 30 minutes by default,
+    since its requeue resumes from the newest checkpoint); None: no timed saves."""
+    minutes = train.save_every_minutes
+    if minutes is None and "SLURM_JOB_ID" in os.environ and train.save_checkpoints:
+        minutes = SLURM_SAVE_EVERY_MINUTES
+    return minutes * 60 if minutes else None
+
+
 def log_every(train, raw_ds_config: dict) -> int:
     """train.log_every, else the JSON's steps_per_print, else 10."""
     return int(train.log_every or raw_ds_config.get("steps_per_print") or 10)
@@ -294,7 +306,8 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     _groups_wait_as_long_as_the_world(timeout)
     rank = dist.get_rank()
     _check_the_nodes_host_memory(checked, world)
-    agreement = signals.StopAgreement(world)  # a stop signal on any rank stops all within two steps
+    # a stop signal on any rank stops all within two steps; rank 0's clock decides timed saves
+    agreement = signals.StopAgreement(world, save_every_s(t), rank)
     memory_plan, compiled = checked.memory_plan, checked.compile
     if memory_plan is not None or t.compile == "auto":
         # policy auto: every rank planned on its own device (set above), but they must all run one
@@ -330,6 +343,11 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
             print(report_line(data.report, recipe.data), flush=True)
         if memory_plan is not None:
             print(memory_plan.describe(), flush=True)
+        if agreement.save_every_s and t.save_checkpoints:  # what a requeue after a lost node resumes from
+            why = "train.save_every_minutes" if t.save_every_minutes else "a Slurm job's default"
+            print(f"model checkpoints: every {agreement.save_every_s / 60:g} min of training ({why})"
+                  + (f", every {t.save_interval} steps" if t.save_interval else "") + ", on a stop signal and at the end",
+                  flush=True)
         for warning in checked.warnings + ((lock_warning,) if lock_warning else ()):
             print(f"warning: {warning}", flush=True)
     dist.barrier()  # the run directory is ready (an earlier run's files set aside) before any rank writes to it
@@ -417,7 +435,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
             _report_compiles(compiles, step, done, start, t.max_steps, rank, bar, meter.bytes,
                              _planned_activations(run))
         agreed = agreement.step()  # signals any rank had by the end of the previous step
-        if not (is_boundary(done, t, every) or agreed):
+        if not (is_boundary(done, t, every) or agreed or agreement.save_due):
             continue
 
         # --- boundary: one all-reduce, one host read
@@ -461,10 +479,12 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
             stop_signal = signals.received() or stopped[0]  # for summary.json, on every rank
             status = "preempted"
             break
-        if t.save_checkpoints and t.save_interval and done % t.save_interval == 0 and done < t.max_steps:
+        if t.save_checkpoints and done < t.max_steps and (
+                agreement.save_due or (t.save_interval and done % t.save_interval == 0)):
             saving = time.monotonic()
             _save_checked(engine, run_dir, done, t, layout.tp)
             deadline.save_s = time.monotonic() - saving
+            agreement.saved()
         reset_device_peak()
         timer.start()
     bar.close()
