@@ -251,3 +251,39 @@ def test_a_data_path_this_node_cannot_see_is_a_node_error(tmp_path):
     with pytest.raises(NodeError, match=r"embedded recipe 'tiny': data.paths\[0\]: '.*' matches no file"):
         check_run(parse_args(["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
                               "--set", f"data.paths=[\"{tmp_path / 'node-local' / '*.txt'}\"]"]), 2)
+
+
+def test_gloo_gets_its_descriptors_and_an_address_other_nodes_reach():
+    """A 1,000-rank job: the soft open-files limit is raised to what gloo's sockets need (a warning where the hard limit
+    is short); a multi-node job on a host whose name resolves to loopback (127.0.1.1, many images) without
+    GLOO_SOCKET_IFNAME is one line naming the variable (it hung until the collective timeout)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from conftest import _env
+    from memtrain.errors import NodeError
+    from memtrain.train.gloo_env import check_reachable, open_files_needed
+
+    probe = ("import resource, sys; from memtrain.train.gloo_env import raise_open_files_limit as r; "
+             "resource.setrlimit(resource.RLIMIT_NOFILE, (256, int(sys.argv[1]))); w = r(1000); "
+             "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], w)")
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < open_files_needed(1000):
+        pytest.skip(f"this machine's hard open-files limit ({hard}) is below a 1,000-rank job's")
+    roomy = subprocess.run([sys.executable, "-c", probe, str(open_files_needed(1000) + 10)], env=_env(),
+                           capture_output=True, text=True, timeout=60)
+    assert roomy.stdout.split() == [str(open_files_needed(1000)), "None"], roomy.stderr
+    short = subprocess.run([sys.executable, "-c", probe, "2048"], env=_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert short.stdout.startswith("2048 open files: 1000 ranks need about 5024 descriptors each"), short.stderr
+
+    with pytest.raises(NodeError, match=r"^GLOO_SOCKET_IFNAME: this host's name 'n1' resolves to 127\.0\.1\.1 "
+                                        r"\(loopback\), where gloo would listen and the other nodes of this 16-rank"):
+        check_reachable(16, 8, "n1", "127.0.1.1", env={})
+    check_reachable(16, 8, "n1", "127.0.1.1", env={"GLOO_SOCKET_IFNAME": "eth0"})
+    check_reachable(8, 8, "n1", "127.0.1.1", env={})  # one node: loopback is fine
+    check_reachable(16, 8, "n1", "10.0.0.7", env={})

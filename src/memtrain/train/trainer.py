@@ -43,7 +43,7 @@ from memtrain.train import parallel
 from memtrain.train import rng
 from memtrain.train.preflight import check_host_memory, check_run
 from memtrain.train import long_context
-from memtrain.train import signals
+from memtrain.train import gloo_env, signals
 from memtrain.train.zero3_probe import OpCounter, Zero3Probe, summarize
 
 
@@ -301,6 +301,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     # that a long packing would time out (memtrain.model.data.prepare_data).
     data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
         prepare_data(recipe.data, t.seed)
+    gloo_warning = gloo_env.prepare(world)  # descriptors for gloo's sockets, an address other nodes reach
     timeout = timedelta(seconds=t.collective_timeout_s)
     _meet(timeout)
     _groups_wait_as_long_as_the_world(timeout)
@@ -348,7 +349,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
             print(f"model checkpoints: every {agreement.save_every_s / 60:g} min of training ({why})"
                   + (f", every {t.save_interval} steps" if t.save_interval else "") + ", on a stop signal and at the end",
                   flush=True)
-        for warning in checked.warnings + ((lock_warning,) if lock_warning else ()):
+        for warning in checked.warnings + tuple(w for w in (lock_warning, gloo_warning) if w):
             print(f"warning: {warning}", flush=True)
     dist.barrier()  # the run directory is ready (an earlier run's files set aside) before any rank writes to it
     run_dirs.check_shared(run_dir, rank)  # every node sees it (one line, on every rank, where one does not)
