@@ -86,6 +86,8 @@ def test_host_memory_is_checked_against_the_nodes_ranks_and_the_cgroup():
     eight = subprocess.run([*base, "--world-size", "8"], cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert eight.returncode == 2 and eight.stderr.count("\n") == 1, eight.stderr
     assert "host memory: 8 rank(s) on this node x" in eight.stderr and "available on" in eight.stderr
+    # rank 0's node also holds the whole model in the compute dtype for final/ at the end (fp32 on CPU: 0.8 GiB)
+    assert ") + final/'s model gathered on rank 0 0.8 GiB = " in eight.stderr, eight.stderr
 
     group = _memory_cgroup(f"memtrain-test-{os.getpid()}", 4 << 30)
     if group is None:
@@ -283,7 +285,8 @@ def test_gloo_gets_its_descriptors_and_an_address_other_nodes_reach():
 
     with pytest.raises(NodeError, match=r"^GLOO_SOCKET_IFNAME: this host's name 'n1' resolves to 127\.0\.1\.1 "
                                         r"\(loopback\), where gloo would listen and the other nodes of this 16-rank"):
-        check_reachable(16, 8, "n1", "127.0.1.1", env={})
-    check_reachable(16, 8, "n1", "127.0.1.1", env={"GLOO_SOCKET_IFNAME": "eth0"})
-    check_reachable(8, 8, "n1", "127.0.1.1", env={})  # one node: loopback is fine
-    check_reachable(16, 8, "n1", "10.0.0.7", env={})
+        check_reachable(16, 8, "n1", "127.0.1.1", "10.0.0.1", env={})
+    check_reachable(16, 8, "n1", "127.0.1.1", "10.0.0.1", env={"GLOO_SOCKET_IFNAME": "eth0"})
+    check_reachable(8, 8, "n1", "127.0.1.1", "10.0.0.1", env={})  # one node: loopback is fine
+    check_reachable(16, 8, "n1", "127.0.1.1", "127.0.0.1", env={})  # agents of one host meeting on loopback
+    check_reachable(16, 8, "n1", "10.0.0.7", "10.0.0.1", env={})

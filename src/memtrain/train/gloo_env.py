@@ -37,10 +37,12 @@ def raise_open_files_limit(world: int) -> Optional[str]:
     return None
 
 
-def check_reachable(world: int, ranks_here: int, hostname: str, address: str, env=os.environ) -> None:
+def check_reachable(world: int, ranks_here: int, hostname: str, address: str, master: str, env=os.environ) -> None:
     """One line where the ranks span nodes and this host's name resolves to a loopback `address` (gloo would listen
-    where no other node can connect) with no GLOO_SOCKET_IFNAME naming the interface to use."""
-    if world <= ranks_here or "GLOO_SOCKET_IFNAME" in env or not address.startswith("127."):
+    where no other node can connect) with no GLOO_SOCKET_IFNAME naming the interface to use. A job whose rendezvous
+    (`master`: MASTER_ADDR, resolved) is itself on loopback runs on this host alone, however many agents it has."""
+    if world <= ranks_here or "GLOO_SOCKET_IFNAME" in env or not address.startswith("127.") or \
+            master.startswith("127."):
         return
     raise NodeError(f"GLOO_SOCKET_IFNAME: this host's name '{hostname}' resolves to {address} (loopback), where gloo "
                     f"would listen and the other nodes of this {world}-rank job could not connect (the first collective "
@@ -52,10 +54,13 @@ def prepare(world: int) -> Optional[str]:
     """Both, for this rank, before the rendezvous; returns a warning line or None."""
     import socket
 
+    def resolved(name: str) -> str:
+        try:
+            return socket.gethostbyname(name)
+        except OSError:
+            return ""
+
     hostname = socket.gethostname()
-    try:
-        address = socket.gethostbyname(hostname)
-    except OSError:
-        address = ""
-    check_reachable(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), hostname, address)
+    check_reachable(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), hostname, resolved(hostname),
+                    resolved(os.environ.get("MASTER_ADDR", "127.0.0.1")))
     return raise_open_files_limit(world)

@@ -70,6 +70,7 @@ class Checked:
     model_lines: tuple[str, ...] = ()
     prediction: Any = None  # memtrain.memory.predict.Prediction of this plan (the auto plan's, for policy auto)
     compile: CompileChoice = CompileChoice()  # train.compile for this run (memtrain.train.compile_choice)
+    final_bytes: int = 0  # host bytes rank 0's node gathers for final/ (check_host_memory)
 
 
 def _suggest(key: str, allowed, cutoff: float = 0.6) -> str:
@@ -359,11 +360,25 @@ def groups_across_nodes(tp: int, sp: int, world_size: int, source: str) -> list[
     return found
 
 
-def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] = None) -> None:
+def final_bytes(model, ds_config: dict, train) -> int:
+    """Host bytes rank 0 gathers at the end of a run for final/: the whole model in the compute dtype (DeepSpeed's
+    16-bit consolidation), on the node that holds global rank 0 only (its agent's first rank is rank 0)."""
+    import os
+
+    import torch
+
+    if not train.save_checkpoints or int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return 0
+    itemsize = torch.empty((), dtype=getattr(torch, compute_dtype(ds_config, run_device()))).element_size()
+    return sum(p.numel() for p in model.parameters()) * itemsize
+
+
+def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] = None, final: int = 0) -> None:
     """The node's ranks each hold their offloaded activations and model states (pinned pools, host Adam states)
-    in host memory; on a CPU run their whole peak is host memory. Against what this node can still allocate
-    (MemAvailable, the cgroup's room: a Slurm job's --mem), before any worker starts: one line. `ranks_on_node`:
-    counted across the node's launcher agents once the ranks have met (the trainer); before, this agent's ranks."""
+    in host memory; on a CPU run their whole peak is host memory; rank 0's node also holds final/'s gathered model
+    at the end (`final`). Against what this node can still allocate (MemAvailable, the cgroup's room: a Slurm job's
+    --mem), before any worker starts: one line. `ranks_on_node`: counted across the node's launcher agents once the
+    ranks have met (the trainer); before, this agent's ranks."""
     import os
     import socket
 
@@ -376,12 +391,14 @@ def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] 
     if run_device() == "cpu":
         per_rank += prediction.peak
     available = available_bytes()
-    if ranks * per_rank > available:
+    if ranks * per_rank + final > available:
         g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
         raise NodeError(f"host memory: {ranks} rank(s) on this node x {g(per_rank)} each (offloaded activations "
                         f"{g(prediction.host_activations)} + offloaded model states {g(states.host)}"
                         + (f" + the CPU run's peak {g(prediction.peak)}" if run_device() == "cpu" else "")
-                        + f") = {g(ranks * per_rank)} predicted, {g(available)} available on {socket.gethostname()}; "
+                        + (f") + final/'s model gathered on rank 0 {g(final)}" if final else ")")
+                        + f" = {g(ranks * per_rank + final)} predicted, {g(available)} available on "
+                        f"{socket.gethostname()}; "
                         "offload less (cpu_checkpointing, offload_optimizer), lower train.micro_batch_size, or run "
                         "fewer ranks per node")
 
@@ -467,7 +484,8 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
         recipe, args.ds_config, world_size, plan, config)
     if compiled.on:  # never an eager prediction passed off as a compiled run's
         prediction = replace(prediction, notes=prediction.notes + (EAGER_PREDICTION,))
-    check_host_memory(prediction, world_size)
+    gathered = final_bytes(model, args.ds_config, recipe.train)
+    check_host_memory(prediction, world_size, final=gathered)
     warnings += _recipe_overrides(args.ds_config, source, recipe, world_size)
     warnings += groups_across_nodes(tp_size(args.ds_config), recipe.parallel.sequence, world_size, source)
     warnings += [w for w in (ds_checks.build_notice(resolved),) if w]
@@ -485,7 +503,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     experts = experts_line(config, compute_dtype(args.ds_config, run_device()))
     model_lines = tuple(line for line in (trained, experts) if line)
     return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, model_lines, prediction,
-                   compiled)
+                   compiled, gathered)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -173,7 +173,7 @@ def _check_the_nodes_host_memory(checked, world: int) -> None:
     here = hosts.count(socket.gethostname())
     if here > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
         prediction = checked.memory_plan.prediction if checked.memory_plan is not None else checked.prediction
-        check_host_memory(prediction, world, ranks_on_node=here)
+        check_host_memory(prediction, world, ranks_on_node=here, final=checked.final_bytes)
 
 
 def _choose_run_dir(args: RunArgs, rank: int) -> tuple[Path, Optional[str]]:
