@@ -1,7 +1,7 @@
 """The run a memory prediction is for (one device): shapes, dtype, layout, what trains, and the recipe's config."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -34,6 +34,12 @@ class Target:
         if not (self.trainable_params and self.all_params):
             return n
         return n if self.trainable_params == self.all_params else round(n * self.trainable_params / self.all_params)
+
+    def to_dict(self) -> dict:
+        """Plain JSON values (make plan --json): the LoRA section as the recipe writes it."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["lora"] = None if self.lora is None else self.lora.model_dump(mode="json")
+        return d
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import UserError
+from memtrain.model import order
 
 IGNORE = -100
 
@@ -149,21 +150,24 @@ class PackedChat:
     vocab_size: int
     seed: int
     report: dict
+    labelled: np.ndarray = field(init=False)  # per row: positions the loss trains on (label of the next token set)
+
+    def __post_init__(self) -> None:
+        self.labelled = (self.labels[:, 1:] != IGNORE).sum(axis=1)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> dict:
-        n = len(self.ids)
-        first = ((step * grad_accum + micro) * world + rank) * micro_batch
-        rows = []
-        for g in range(first, first + micro_batch):
-            epoch, pos = divmod(g, n)
-            if getattr(self, "_perm", (None,))[0] != epoch:
-                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
-            rows.append(self._perm[1][pos])
+        rows = order.micro_rows(len(self.ids), self.seed, step, micro, rank, world, micro_batch, grad_accum)
         return {"input_ids": torch.from_numpy(self.ids[rows]), "labels": torch.from_numpy(self.labels[rows]),
                 "position_ids": torch.from_numpy(self.positions[rows]), "tokens": int(self.real[rows].sum())}
+
+    def labelled_tokens(self, step: int, world: int, micro_batch: int, grad_accum: int) -> int:
+        """Tokens with a label in all of `step`'s micro-batches on all `world` data ranks (each rank can name every
+        rank's rows: memtrain.model.order), counted as the loss counts them: position t is trained on when
+        token t + 1 is labelled."""
+        return int(self.labelled[order.step_rows(len(self.ids), self.seed, step, world, micro_batch, grad_accum)].sum())
 
     @staticmethod
     def save(path: Path, arrays: tuple[np.ndarray, ...], report: dict) -> None:

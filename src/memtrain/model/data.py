@@ -19,6 +19,7 @@ import torch
 
 from memtrain.errors import NodeError, UserError
 from memtrain.config.recipe import DataSection
+from memtrain.model import order
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # everything else: "text"
 
@@ -182,19 +183,13 @@ class PackedData:
 
     def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> torch.Tensor:
         """The micro-batch that `rank` trains on at (step, micro). Pure function: resume-exact."""
-        n = len(self.sequences)
-        first = ((step * grad_accum + micro) * world + rank) * micro_batch
-        rows = []
-        for g in range(first, first + micro_batch):
-            epoch, pos = divmod(g, n)
-            rows.append(self._permutation(epoch)[pos])
+        rows = order.micro_rows(len(self.sequences), self.seed, step, micro, rank, world, micro_batch, grad_accum)
         return torch.from_numpy(self.sequences[rows].astype(np.int64))
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        cached = getattr(self, "_perm", None)
-        if cached is None or cached[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.sequences)))
-        return self._perm[1]
+    def labelled_tokens(self, step: int, world: int, micro_batch: int, grad_accum: int) -> int:
+        """Tokens with a label in all of `step`'s micro-batches on all `world` data ranks: every position of a
+        row but the last (it has no next token)."""
+        return grad_accum * world * micro_batch * (self.sequences.shape[1] - 1)
 
 
 @dataclass
@@ -210,6 +205,10 @@ class RandomTokens:
         first = ((step * grad_accum + micro) * world + rank) * micro_batch
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + first)
         return torch.randint(0, self.vocab_size, (micro_batch, self.seq_len), generator=generator)
+
+    def labelled_tokens(self, step: int, world: int, micro_batch: int, grad_accum: int) -> int:
+        """As PackedData's: every position of a row but the last."""
+        return grad_accum * world * micro_batch * (self.seq_len - 1)
 
 
 def to_device(batch, device: torch.device):

@@ -9,11 +9,15 @@ weight for it exactly as they do for the standard `lm_head(hidden)` (and release
 tied embeddings are the same Parameter and need nothing else.
 
 The model's forward is replaced on the instance (the state dict, and with it model checkpoints,
-stays the plain HF layout). It returns the mean cross-entropy over the non-ignored shifted labels,
-HF's `ForCausalLMLoss` without `num_items_in_batch`. Under sequence parallelism (`sp_reduce`) each
-rank holds a slice of the sequence and its pre-shifted `shift_labels`; the loss is then the sum
-over the group divided by the group's count of labelled tokens (a token-weighted mean), which
-equals the full-sequence loss.
+stays the plain HF layout). It returns the summed cross-entropy over the non-ignored shifted labels
+divided by the forward's `loss_divisor`: memtrain's trainer passes the optimizer step's labelled
+tokens over the micro-steps and data-parallel ranks (memtrain.train.parallel.Layout.loss_divisor), so
+every labelled token of a step weighs the same, whatever the micro-batch, accumulation or world
+size. Without a divisor it is the mean over the forward's own labelled tokens, HF's `ForCausalLMLoss`
+without `num_items_in_batch`. Under sequence parallelism (`sp_reduce`) each rank holds a slice of the
+sequence and its pre-shifted `shift_labels`; the group's summed loss is normalised the same way
+(without a divisor: by the group's count of labelled tokens, the full-sequence loss). `standard`
+without sequence parallelism keeps the model's own forward and loss (`_wrap_hf_loss`).
 
 Where the fused call cannot reproduce the model's own logits (logit soft-capping, logit scaling,
 an lm_head that is not a Linear, a router auxiliary loss), `fused` falls back to `standard`;
@@ -68,20 +72,37 @@ def shift(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
+def normalise(total: torch.Tensor, count: torch.Tensor, divisor: Optional[float]) -> torch.Tensor:
+    """The loss backward takes from a summed token loss: `total / divisor`, the step's divisor (memtrain's trainer:
+    memtrain.train.parallel.Layout.loss_divisor, so that the step's gradient is the mean over every labelled token
+    of the step); without one (a caller outside the trainer), the mean over this forward's `count` labelled
+    tokens, as HF's ForCausalLMLoss."""
+    return total / (count.clamp(min=1) if divisor is None else divisor)
+
+
+def labelled(shift_labels: torch.Tensor) -> torch.Tensor:
+    """How many positions have a label (on the labels' device: no host sync)."""
+    return (shift_labels != IGNORE_INDEX).sum()
+
+
 def install_loss(model: nn.Module, fused: bool, sp_reduce: Optional[Callable] = None) -> None:
-    """Replace the model's forward so it returns the loss computed the chosen way.
+    """Replace the model's forward so it returns the loss computed the chosen way, normalised by `loss_divisor`
+    (a forward keyword: see `normalise`).
 
     fused: linear_cross_entropy inside lm_head's forward (see module docstring).
-    sp_reduce(local_sum, local_count) -> loss: the sequence-parallel token-weighted mean; None: one
-    rank holds the whole sequence. With neither, the model keeps HF's forward untouched."""
+    sp_reduce(local_sum, local_count, divisor) -> loss: the sequence-parallel group's summed loss, normalised;
+    None: one rank holds the whole sequence. With neither, the model's own forward computes HF's loss (logit
+    transforms and router losses included) and its mean becomes a sum again (times the labelled count) to be
+    normalised the same way; without a divisor its output is HF's, untouched."""
     if not fused and sp_reduce is None:
+        _wrap_hf_loss(model)
         return
     head = model.get_output_embeddings()
     if fused:
         head.forward = types.MethodType(_head_forward, head)
     base = model.base_model
 
-    def forward(self, input_ids=None, labels=None, position_ids=None, shift_labels=None, **kwargs):
+    def forward(self, input_ids=None, labels=None, position_ids=None, shift_labels=None, loss_divisor=None, **kwargs):
         from transformers.modeling_outputs import CausalLMOutput
 
         hidden = base(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
@@ -93,10 +114,28 @@ def install_loss(model: nn.Module, fused: bool, sp_reduce: Optional[Callable] = 
             logits = head(hidden).float()
             total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
                                     ignore_index=IGNORE_INDEX, reduction="sum")
-        count = (shift_labels != IGNORE_INDEX).sum()
+        count = labelled(shift_labels)
         if sp_reduce is not None:
-            return CausalLMOutput(loss=sp_reduce(total, count))
+            return CausalLMOutput(loss=sp_reduce(total, count, loss_divisor))
         # divide after the fused call: its backward scales both the input and the weight gradient
-        return CausalLMOutput(loss=total / count.clamp(min=1))
+        return CausalLMOutput(loss=normalise(total, count, loss_divisor))
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _wrap_hf_loss(model: nn.Module) -> None:
+    """The model's own forward and loss, normalised by `loss_divisor` when one is given. HF's mean times the
+    labelled count is the sum (a forward with no labelled token contributes 0, not HF's 0/0). The divisor is not
+    passed to HF as its `num_items_in_batch`: HF hands its keywords down to every decoder layer, where compiled
+    layers would recompile for each new value."""
+    own = model.forward
+
+    def forward(self, *args, labels=None, loss_divisor=None, **kwargs):
+        out = own(*args, labels=labels, **kwargs)
+        if loss_divisor is not None and labels is not None:
+            count = labelled(shift(labels))
+            total = torch.where(count > 0, out.loss * count, 0.0)
+            out.loss = normalise(total, count, loss_divisor)
+        return out
 
     model.forward = types.MethodType(forward, model)

@@ -68,7 +68,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
     choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
     report = {
         "recipe": recipe.name, "model_type": config.model_type, "num_layers": profile.num_layers,
-        "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": asdict(target),
+        "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": target.to_dict(),
         "zero_stage": zero_stage(ds_config), "rates": rates.to_dict(),
         "rates_note": ("measured on this machine's GPU" if rates.device == target.device == "cuda" else
                        f"measured on this machine's {rates.device}; the step-time ranking is "

@@ -100,6 +100,17 @@ class Layout:
     def tokens_per_step(self, micro_batch: int, grad_accum: int, seq_len: int) -> int:
         return self.dp_size * micro_batch * grad_accum * seq_len
 
+    def loss_divisor(self, step_tokens: int, grad_accum: int) -> float:
+        """What each micro-step divides its summed token loss by (memtrain.model.loss.normalise), given the
+        labelled tokens of the whole optimizer step over all micro-steps and data ranks (`step_tokens`, known
+        from the data on every rank: memtrain.model.order). DeepSpeed 0.19.8's engine.backward divides the loss
+        by grad_accum, and ZeRO averages the gradients over the data-parallel replicas (ranks of a tensor- or
+        sequence-parallel group hold one replica's gradient, so the mean over all ranks is the mean over
+        replicas). Dividing by step_tokens / (grad_accum * dp_size) therefore leaves the step's gradient equal to
+        that of the mean over every labelled token of the step, whatever the micro-batch, accumulation and
+        data-parallel size. A step with no labelled token divides 0 by 1."""
+        return max(step_tokens, 1) / (grad_accum * self.dp_size)
+
 
 def layout(engine, sp=None) -> Layout:
     """This rank's layout, read from DeepSpeed after `deepspeed.initialize` (which creates the groups).

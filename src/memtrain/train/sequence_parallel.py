@@ -31,6 +31,7 @@ import torch
 
 from memtrain.errors import UserError
 from memtrain.model.build import model_class
+from memtrain.model.loss import normalise, shift
 
 # attention implementations Ulysses cannot wrap (DeepSpeed rejects them: they need a 4D mask)
 _UNSUPPORTED_ATTENTION = ("eager", "paged|eager")
@@ -126,8 +127,6 @@ class SequenceParallel:
         labels each position predicts (shifted over the whole sequence before slicing). `batch` is the
         token ids (every token a label, positions 0..S-1), or a dict of input_ids, labels and position_ids
         (chat data: memtrain.model.chat_data)."""
-        from memtrain.model.loss import shift
-
         if isinstance(batch, dict):
             ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
         else:
@@ -139,17 +138,20 @@ class SequenceParallel:
         cut = slice(chunk * self.rank, chunk * (self.rank + 1))
         return {"input_ids": ids[:, cut], "position_ids": positions[:, cut], "shift_labels": shift(labels)[:, cut]}
 
-    def reduce_loss(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """The group's token-weighted mean loss from this rank's summed loss and labelled-token count.
+    def reduce_loss(self, total: torch.Tensor, count: torch.Tensor, divisor: Optional[float] = None) -> torch.Tensor:
+        """The group's summed loss (every rank's slice), normalised as one rank's would be
+        (memtrain.model.loss.normalise): by the step's divisor, which the trainer knows from the data; without
+        one, by the group's labelled tokens (one all-reduce), the full sequence's token-weighted mean.
         Differentiable all-gather (as DeepSpeed's tutorial and transformers' deepspeed_sp_compute_loss):
         each rank's backward reaches every rank's slice."""
         import torch.distributed as dist
         import torch.distributed.nn.functional as dist_nn
 
         totals = torch.stack(dist_nn.all_gather(total, group=self.group)).sum()
-        counts = count.detach().clone()
-        dist.all_reduce(counts, group=self.group)
-        loss = totals / counts.clamp(min=1)
+        if divisor is None:
+            count = count.detach().clone()
+            dist.all_reduce(count, group=self.group)
+        loss = normalise(totals, count, divisor)
         return _ScaleGrad.apply(loss, self.grad_scale) if self.grad_scale != 1.0 else loss
 
 

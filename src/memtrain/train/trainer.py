@@ -415,6 +415,9 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     for step in range(start, start if stop_signal else t.max_steps):
         measure = step == interval_start  # activation bytes of one forward per interval
         loss_sum = torch.zeros((), device=device)
+        # the step's labelled tokens, every rank's, from the data itself (no collective): the loss is their mean
+        divisor = layout.loss_divisor(data.labelled_tokens(step, layout.dp_size, t.micro_batch_size,
+                                                           t.grad_accum_steps), t.grad_accum_steps)
         count_ops = probe is not None and step == start + 2  # one step, after ZeRO-3 recorded its trace
         with OpCounter() if count_ops else nullcontext() as ops:
             for micro in range(t.grad_accum_steps):
@@ -423,7 +426,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
                     interval_tokens += batch.pop("tokens")
                 ids = to_device(batch, device)
                 with meter.measure() if measure and micro == 0 else nullcontext():
-                    loss = engine(**sp.slice_batch(ids)).loss
+                    loss = engine(**sp.slice_batch(ids), loss_divisor=divisor).loss
                 engine.backward(loss)
                 engine.step()
                 loss_sum += loss.detach().float()
@@ -445,6 +448,8 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
         stats = torch.cat([torch.stack(step_losses), torch.tensor(signals.one_hot() + counted, device=device)])
         dist.all_reduce(stats)
         values = stats.tolist()
+        # each replica's micro-step losses sum to its tokens' share of the step's token mean, times
+        # grad_accum * dp_size (Layout.loss_divisor); every rank of a TP/SP group holds its replica's value
         losses = [v / (world * t.grad_accum_steps) for v in values[:len(step_losses)]]
         stopped = agreed or signals.names(values[len(step_losses):len(values) - len(counted)])
         bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
