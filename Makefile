@@ -8,6 +8,7 @@ RECIPE  ?=
 DS      ?= ds_configs/zero3_ckpt.json
 ARGS    ?=
 SWEEP   ?= recipes/sweeps/tiny-cpu.yaml
+SWEEP_ARGS ?=
 FORCE   ?=
 LAUNCHER ?=
 BUDGET  ?=
@@ -49,13 +50,14 @@ train: setup
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-$$($(BIN)/python -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')} \
 	  $(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py --deepspeed "$(DS)" $(RECIPE_ARG) $(ARGS)
 
-## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points)
+## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points;
+## SWEEP_ARGS="--set train.max_steps=10 --grid train.micro_batch_size=4": a smaller sweep, under runs/<sweep>-<hash>/)
 sweep: setup
-	$(BIN)/python -m memtrain sweep "$(SWEEP)" $(if $(filter 1 yes true,$(FORCE)),--force) $(if $(LAUNCHER),--launcher $(LAUNCHER))
+	$(BIN)/python -m memtrain sweep "$(SWEEP)" $(if $(filter 1 yes true,$(FORCE)),--force) $(if $(LAUNCHER),--launcher $(LAUNCHER)) $(SWEEP_ARGS)
 
 ## report: SWEEP's runs (TensorBoard) -> reports/<sweep>/summary.{md,csv} + plots; BUDGET=40GiB names the best point that fits
 report: setup
-	$(BIN)/python -m memtrain report "$(SWEEP)" $(if $(BUDGET),--budget="$(BUDGET)")
+	$(BIN)/python -m memtrain report "$(SWEEP)" $(if $(BUDGET),--budget="$(BUDGET)") $(SWEEP_ARGS)
 
 ## ac-profile: one measured CPU step per AC policy on RECIPE's model -> table + reports/ac_profile.csv (ARGS: e.g. --policies full,op)
 ac-profile: setup

@@ -262,3 +262,24 @@ def test_slurm_sweeps_on_gpu_nodes_ask_for_their_cpu_share():
     assert cpus_per_gpu("128 gpu:h100:8(S:0-1)\n96 gpu:a100:8\n2 (null)\n") == 12  # CPU-only nodes do not count
     assert cpus_per_gpu("64 gpu:4,shard:8\n") == 16 and cpus_per_gpu("4 gpu:8\n") == 1
     assert cpus_per_gpu("2 (null)\n") == 0 and cpus_per_gpu("") == 0
+
+
+def test_a_sweep_shrinks_from_the_command_line(tmp_path, monkeypatch):
+    """--set for every point and --grid for a key's values: fewer points and steps without writing a sweep file; the
+    overridden sweep is its own (runs/<name>-<hash>/), and a key that is not in the grid is one line."""
+    monkeypatch.chdir(tmp_path)
+    path = _sweep_file(tmp_path, {"train.micro_batch_size": [2, 4, 8], "activation_checkpointing.policy": ["none", "full"]})
+    whole = load_sweep(path)
+    small = load_sweep(path, ["train.max_steps=3"], ["train.micro_batch_size=4"])
+    assert len(whole.points) == 6 and [p.values for p in small.points] == [
+        {"train.micro_batch_size": 4, "activation_checkpointing.policy": "none"},
+        {"train.micro_batch_size": 4, "activation_checkpointing.policy": "full"}]
+    assert small.spec.set["train.max_steps"] == 3 and "--set" in " ".join(train_args(small, small.points[0]))
+    assert "train.max_steps=3" in train_args(small, small.points[0])
+    assert small.name.startswith("s-") and small.name != whole.name and small.runs_dir != whole.runs_dir
+    assert load_sweep(path, ["train.max_steps=3"], ["train.micro_batch_size=4"]).name == small.name  # report finds it
+    with pytest.raises(UserError, match=r"^--grid train.lr: not a grid key of .*s.yaml \(its keys: "
+                                        r"activation_checkpointing.policy, train.micro_batch_size\)"):
+        load_sweep(path, [], ["train.lr=1,2"])
+    with pytest.raises(UserError, match=r"s.yaml: set: unknown recipe key 'train.max_step'; did you mean 'max_steps'"):
+        load_sweep(path, ["train.max_step=3"])

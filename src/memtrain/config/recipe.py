@@ -299,7 +299,7 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
     return f"{source}: {key}: {e['msg']}{shown}"
 
 
-def _parse_scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
     """--set values are YAML scalars: 4 -> int, 1e-3 -> float, true -> bool, every:2 -> str. A flow list that is
     not YAML (a glob such as *.mlp.* starts like a YAML alias) is its comma-separated items, each a scalar."""
     try:
@@ -307,7 +307,7 @@ def _parse_scalar(text: str) -> Any:
     except yaml.YAMLError:
         inner = text.strip()
         if inner.startswith("[") and inner.endswith("]"):
-            return [_parse_scalar(item.strip()) for item in inner[1:-1].split(",") if item.strip()]
+            return [parse_scalar(item.strip()) for item in inner[1:-1].split(",") if item.strip()]
         return text
 
 
@@ -328,7 +328,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise UserError(f"--set {path}: '{k}' is not a section")
             node = child
-        node[keys[-1]] = _parse_scalar(raw)
+        node[keys[-1]] = parse_scalar(raw)
     return data
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.errors import ArgumentParser, UserError, cli_entry
-from memtrain.tools.sweep_points import DEFAULT_SWEEP, DS_KEY, Point, Sweep, load_sweep, read_summary, short_names
+from memtrain.tools.sweep_points import (DEFAULT_SWEEP, DS_KEY, Point, Sweep, add_shrink_flags, load_sweep, read_summary,
+                                         short_names)
 from memtrain.tools.tb import read_scalars
 from memtrain.units import GIB, parse_size
 
@@ -325,9 +326,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = ArgumentParser(prog="python -m memtrain.tools.report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", nargs="?", default=DEFAULT_SWEEP, help=f"sweep file (default: {DEFAULT_SWEEP})")
     p.add_argument("--budget", help="memory budget for the best-point line, e.g. 40GiB")
+    add_shrink_flags(p)
     args = p.parse_args(argv)
     budget = parse_size(args.budget, 'BUDGET') / GIB if args.budget else None
-    sweep = load_sweep(args.sweep)
+    sweep = load_sweep(args.sweep, args.set, args.grid)
     out = write_report(sweep, budget)
     print((out / "summary.md").read_text().splitlines()[0])
     extra = ", seq_len.png" if (out / "seq_len.png").exists() else ""

@@ -11,9 +11,9 @@ from typing import Callable, Optional
 
 
 from memtrain.errors import ArgumentParser, UserError, cli_entry
-from memtrain.tools.sweep_points import (DEFAULT_SWEEP, SET_ASIDE, TRAIN_PY, Point, SweepBar, Sweep, finish_point,
-                                         finished_differently, free_port, is_finished, last_step, load_sweep,
-                                         prepare_point, read_summary, tail)
+from memtrain.tools.sweep_points import (DEFAULT_SWEEP, SET_ASIDE, TRAIN_PY, Point, SweepBar, Sweep, add_shrink_flags,
+                                         finish_point, finished_differently, free_port, is_finished, last_step,
+                                         load_sweep, prepare_point, read_summary, tail)
 
 def run_deepspeed(sweep: Sweep, points: list[Point], progress: SweepBar) -> None:
     """One `deepspeed` launcher process per point on this machine, one point after another."""
@@ -113,10 +113,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--force", action="store_true",
                    help=f"rerun points that already finished (their runs are moved to <runs>/{SET_ASIDE}/, not deleted)")
     p.add_argument("--launcher", help=f"override the sweep file's launcher.name ({', '.join(LAUNCHERS)})")
+    add_shrink_flags(p)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: the point in flight stops cleanly
     try:
-        run_sweep(load_sweep(args.sweep), args.force, args.launcher)
+        sweep = load_sweep(args.sweep, args.set, args.grid)
+        if args.set or args.grid:
+            print(f"sweep {sweep.name}: {sweep.path} with {' '.join(args.set + args.grid)}, {len(sweep.points)} "
+                  f"point(s) in {sweep.runs_dir}/ (make report takes the same SWEEP_ARGS)", flush=True)
+        run_sweep(sweep, args.force, args.launcher)
     except KeyboardInterrupt:
         print("sweep interrupted; run it again to continue", file=sys.stderr)
         sys.exit(130)

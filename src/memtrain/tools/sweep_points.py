@@ -1,6 +1,7 @@
 """A sweep's grid of points, and one point's life: load, prepare, run arguments, outcome, progress bar."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import json
@@ -10,14 +11,14 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from memtrain.train.faults import is_oom_text
 from memtrain.errors import UserError
-from memtrain.config.recipe import Recipe, did_you_mean, format_validation_error, load_yaml
+from memtrain.config.recipe import Recipe, did_you_mean, format_validation_error, load_yaml, parse_scalar
 
 DEFAULT_SWEEP = "recipes/sweeps/tiny-cpu.yaml"
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -107,11 +108,14 @@ def short_names(keys: list[str]) -> dict[str, str]:
     return {k: (name if last.count(name) == 1 else k) for k, name in zip(keys, last)}
 
 
-def load_sweep(path: str | Path) -> Sweep:
+def load_sweep(path: str | Path, sets: Sequence[str] = (), grid: Sequence[str] = ()) -> Sweep:
+    """The sweep file, with the command line's overrides (`shrink`): `sets` (KEY=VALUE) apply to every point, `grid`
+    (KEY=V1,V2) replaces a grid key's values. An overridden sweep is its own: its runs go to runs/<name>-<hash>/."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: sweep file not found (SWEEP=recipes/sweeps/<name>.yaml)")
     data = load_yaml(path)
+    overridden = shrink(data, path, sets, grid)
     try:
         spec = SweepSpec.model_validate(data)
     except ValidationError as e:
@@ -132,8 +136,38 @@ def load_sweep(path: str | Path) -> Sweep:
             raise UserError(f"{path}: deepspeed: DeepSpeed config '{ds}' not found")
     if spec.recipe and not Path(spec.recipe).is_file():
         raise UserError(f"{path}: recipe: '{spec.recipe}' not found")
-    name = spec.name or path.stem
+    name = (spec.name or path.stem) + (f"-{overridden}" if overridden else "")
     return Sweep(path, name, spec, _expand(spec, Path("runs") / name, path))
+
+
+def add_shrink_flags(p) -> None:
+    """--set and --grid, for `sweep` and `report` alike (a report finds an overridden sweep's runs by them)."""
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="a recipe key for every point, e.g. --set train.max_steps=10 (runs go to runs/<name>-<hash>/)")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="this grid key's values instead of the file's, e.g. --grid train.micro_batch_size=2,4")
+
+
+def shrink(data: dict, path: Path, sets: Sequence[str], grid: Sequence[str]) -> str:
+    """Apply the command line's --set/--grid to a sweep file's data (in place); returns a short hash of them ('' for
+    none), which names the overridden sweep: its points never mix with the file's own runs."""
+    if not (sets or grid):
+        return ""
+    for item in (*sets, *grid):
+        if "=" not in item or not item.partition("=")[0].strip():
+            raise UserError(f"--set/--grid {item!r}: expected KEY=VALUE (--grid KEY=V1,V2)")
+    if not isinstance(data.get("set", {}), dict) or not isinstance(data.get("grid"), dict):
+        return ""  # the schema names what is wrong
+    for item in sets:
+        key, _, raw = item.partition("=")
+        data.setdefault("set", {})[key.strip()] = parse_scalar(raw)
+    for item in grid:
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if key not in data["grid"]:
+            raise UserError(f"--grid {key}: not a grid key of {path} (its keys: {', '.join(data['grid'])})")
+        data["grid"][key] = [parse_scalar(v.strip()) for v in raw.split(",") if v.strip()]
+    return hashlib.sha256(json.dumps([list(sets), list(grid)]).encode()).hexdigest()[:6]
 
 
 def _expand(spec: SweepSpec, runs_dir: Path, path: Path) -> list[Point]:
