@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import time
 from contextlib import nullcontext
@@ -122,9 +123,14 @@ def _meet(timeout: timedelta) -> None:
     try:
         deepspeed.init_distributed(verbose=False, timeout=timeout)
     except torch.distributed.DistStoreError as e:
-        raise RunFailed(f"the ranks did not all meet within train.collective_timeout_s ({timeout.total_seconds():g} s: "
-                        f"{str(e).splitlines()[0]}); a rank that stopped before the rendezvous says why in its own "
-                        "line above (or in its launcher's log, on its node)") from None
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        joined = re.search(r"(\d+)/(\d+) clients joined", str(e))
+        who = (f"{joined.group(1)} of {joined.group(2)} ranks joined" if joined else
+               f"not all {os.environ.get('WORLD_SIZE', '?')} ranks joined")
+        raise RunFailed(f"the ranks did not all meet at the rendezvous {where} within train.collective_timeout_s "
+                        f"({timeout.total_seconds():g} s): {who} ({str(e).splitlines()[0]}); a rank that stopped "
+                        "before the rendezvous says why in its own line above (or in its launcher's log, on its "
+                        "node), and one that never started is missing from its launcher") from None
 
 
 def set_local_device() -> torch.device:
