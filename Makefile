@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 NPROC   ?= 2
 TEST_WORKERS ?= 2
 RECIPE  ?=
-DS      ?= ds_configs/zero3_ckpt.json
+DS      ?=
 ARGS    ?=
 SWEEP   ?= recipes/sweeps/tiny-cpu.yaml
 SWEEP_ARGS ?=
@@ -27,6 +27,8 @@ export PYTHONWARNINGS := ignore::FutureWarning
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 RECIPE_ARG := $(if $(RECIPE),--recipe "$(RECIPE)",)
+# no DS: the tools' default JSON (ds_configs/zero3_ckpt.json), or with --resume the run's own
+DS_ARG := $(if $(DS),--deepspeed "$(DS)",)
 
 .PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host gpu-check gpu-wheels plan explain
 
@@ -46,9 +48,9 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 # and no launcher or worker starts. The launcher gets DeepSpeed's accelerator named (its auto-detection logs a
 # warning in each launcher process; memtrain's own entry points name it the same way, memtrain.errors).
 train: setup
-	$(BIN)/python -m memtrain preflight --world-size $(NPROC) --deepspeed "$(DS)" $(RECIPE_ARG) $(ARGS)
+	$(BIN)/python -m memtrain preflight --world-size $(NPROC) $(DS_ARG) $(RECIPE_ARG) $(ARGS)
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-$$($(BIN)/python -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')} \
-	  $(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py --deepspeed "$(DS)" $(RECIPE_ARG) $(ARGS)
+	  $(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py $(DS_ARG) $(RECIPE_ARG) $(ARGS)
 
 ## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points;
 ## SWEEP_ARGS="--set train.max_steps=10 --grid train.micro_batch_size=4": a smaller sweep, under runs/<sweep>-<hash>/)
@@ -66,12 +68,12 @@ ac-profile: setup
 ## plan: predicted peak memory per device of RECIPE under DS, per AC policy (fake tensors: seconds on CPU);
 ## BUDGET=40GiB adds max micro-batch/sequence and the auto plan; NGPUS= world size; DEVICE=cuda plans for GPUs; ARGS: --json
 plan: setup
-	$(BIN)/python -m memtrain plan --deepspeed "$(DS)" $(RECIPE_ARG) $(if $(BUDGET),--budget="$(BUDGET)") \
+	$(BIN)/python -m memtrain plan $(DS_ARG) $(RECIPE_ARG) $(if $(BUDGET),--budget="$(BUDGET)") \
 	  $(if $(NGPUS),--ngpus $(NGPUS)) $(if $(DEVICE),--device $(DEVICE)) $(ARGS)
 
 ## explain: one line per key of DS (a DeepSpeed JSON) under RECIPE: filled from the recipe, in effect, a no-op here, or rejected
 explain: setup
-	$(BIN)/python -m memtrain explain-config --world-size $(NPROC) --deepspeed "$(DS)" $(RECIPE_ARG) $(ARGS)
+	$(BIN)/python -m memtrain explain-config --world-size $(NPROC) $(DS_ARG) $(RECIPE_ARG) $(ARGS)
 
 ## slurm-submit: slurm/train.sbatch on NODES whole nodes x GPUS GPUs (GPUS=0: NPROC CPU ranks per node); TIME= PARTITION= ACCOUNT= optional
 slurm-submit: setup
@@ -79,7 +81,7 @@ slurm-submit: setup
 	$(if $(filter 0,$(GPUS)),NPROC_PER_NODE=$(NPROC)) sbatch --nodes=$(NODES) \
 	  $(if $(filter 0,$(GPUS)),--cpus-per-task=$(NPROC),--gpus-per-node=$(GPUS) --exclusive) \
 	  $(if $(TIME),--time=$(TIME)) $(if $(PARTITION),--partition=$(PARTITION)) $(if $(ACCOUNT),--account=$(ACCOUNT)) \
-	  slurm/train.sbatch $(or $(RECIPE),tiny) $(DS) $(ARGS)
+	  slurm/train.sbatch $(or $(RECIPE),tiny) $(or $(DS),ds_configs/zero3_ckpt.json) $(ARGS)
 
 ## test-slurm: the Slurm tests alone (slurm/local/up.sh installs and starts a local Slurm); also part of `make test`
 test-slurm: setup

@@ -252,3 +252,27 @@ def test_timed_saves_are_agreed_on_every_rank_and_on_by_default_in_a_slurm_job(t
     assert_ok(default)
     assert "model checkpoints: every 30 min of training (a Slurm job's default), on a stop signal and at the end" \
         in default.stdout
+
+
+def test_a_timed_save_is_asked_for_once(tmp_path):
+    """Rank 0's clock says a save is due: the ranks agree on it one step later, and rank 0's clock starts again at
+    that agreement, so the step after asks for no second save (it did: every timed save ran twice in a row)."""
+    import torch.distributed as dist
+
+    from memtrain.train.signals import StopAgreement
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        agreement = StopAgreement(2, save_every_s=3600.0, rank=0)  # world 2: the all-reduce path, on a group of one
+        agreement.last_save = time.monotonic() - 7200  # an hour and more since the last save
+        due = []
+        for _ in range(4):
+            agreement.step()
+            due.append(agreement.save_due)
+        agreement.close()
+        single = StopAgreement(1, save_every_s=3600.0)
+        single.last_save = time.monotonic() - 7200
+        single_due = [single.step() is not None and single.save_due for _ in range(3)]
+    finally:
+        dist.destroy_process_group()
+    assert due == [False, True, False, False] and single_due == [True, False, False]

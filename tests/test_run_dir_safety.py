@@ -5,6 +5,7 @@ Every comparison is against a snapshot (sha256 of every file) taken before the m
 losses are compared with the losses the uninterrupted run logged, read back from TensorBoard.
 """
 import hashlib
+import os
 import json
 import shutil
 import signal
@@ -263,13 +264,14 @@ def test_resume_continues_with_the_runs_saved_inputs(finished, tmp_path):
     changed = parse_args(["--run-dir", str(run), "--resume", "--max-steps", "6", "--set", "train.lr=0.001"])
     assert changed.resume_changes == ("recipe: train.lr 0.003 -> 0.001", "recipe: train.max_steps 4 -> 6")
     assert (changed.recipe.train.max_steps, changed.recipe.data.seq_len) == (6, 64)
+    dropout = parse_args(["--run-dir", str(run), "--resume", "--set", "model.config.attention_dropout=0.1"])
+    assert dropout.resume_changes == ("recipe: model.config.attention_dropout (unset) -> 0.1",)  # no parameter changes
     same = parse_args([*RUN_ARGS, "--deepspeed", str(ds_file), "--run-dir", str(run), "--resume"])
     assert same.resume_changes == ()  # the flags repeated (as slurm/train.sbatch and sweeps do) change nothing
 
     before = _snapshot(run)
     refused = {
         ("--set", "model.lora.r=8"): "model.lora: (unset) -> {",
-        ("--set", "model.config.intermediate_size=256"): "model.config.intermediate_size: 352 -> 256 (--set)",
         ("--set", "train.trainable=[lm_head.weight]"): 'train.trainable: [] -> ["lm_head.weight"] (--set)',
         ("--deepspeed", str(ROOT / "ds_configs" / "zero2_ckpt.json")): "zero_optimization.stage: 3 -> 2 (--deepspeed)",
         ("--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json")):
@@ -311,7 +313,7 @@ def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
                               capture_output=True, text=True, timeout=600)
         assert_ok(proc)
         line = (f"memtrain: error: --run-dir {run}: another run is using it ({holder}); wait for it to end (or stop "
-                "it), or pass another --run-dir")
+                f"it), or pass another --run-dir (no run left? a node lost while holding it: remove {run / '.lock'})")
         assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[2, [line]]] * 3
         assert not (run / ".overwritten").exists() and len(list((run / "tb").glob("events.out.tfevents.*"))) == 2
     finally:
@@ -321,3 +323,42 @@ def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
     assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
     assert not (run / ".lock").exists()  # removed as the run ended: free for the next
     check_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--resume", "--max-steps", "100000"]), 1)
+
+
+def test_rank_0_decides_the_resume_point_and_what_follows_from_it(finished, tmp_path, monkeypatch):
+    """The newest checkpoint (step 4, the last) has a truncated shard: rank 0 reads the files and resumes from step 2;
+    another rank checks names only, so its own pick would be step 4, "finished": it leaves that verdict to rank 0
+    (whose choice every rank loads) instead of exiting alone and leaving rank 0 waiting at the rendezvous."""
+    from memtrain.train.resume_check import check_resume
+
+    run = _copy(finished, tmp_path)
+    shard = run / "checkpoints" / tag_for(4) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:5000])
+    monkeypatch.setenv("RANK", "0")
+    assert check_resume(run, 1, 4).tag == tag_for(2)
+    monkeypatch.setenv("RANK", "1")
+    assert check_resume(run, 1, 4).tag == tag_for(4)  # by names; no verdict of its own
+
+
+def test_a_requeued_slurm_job_goes_on_past_its_own_stale_lock(tmp_path, monkeypatch):
+    """A lock that this Slurm job's earlier attempt left held (a lost node's NFS lock outlives it) does not refuse the
+    requeue (same job id): a warning; another job's lock still refuses."""
+    import fcntl
+
+    from memtrain.train import run_dir as run_dirs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fd = os.open(run / ".lock", os.O_RDWR | os.O_CREAT)  # the earlier attempt's lock, still held
+    os.write(fd, b"pid 77 on node3 since 2026-11-26 01:00:00 (slurm job 4242)")
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        run_dirs.check_not_in_use(run)
+        refusal, warning = run_dirs.lock(run)
+        assert refusal is None and "held by this Slurm job's earlier attempt" in warning
+        monkeypatch.setenv("SLURM_JOB_ID", "5555")
+        with pytest.raises(UserError, match="another run is using it"):
+            run_dirs.check_not_in_use(run)
+    finally:
+        os.close(fd)

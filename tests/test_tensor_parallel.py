@@ -189,6 +189,9 @@ def test_tensor_parallel_groups_across_nodes_warn(tmp_path, monkeypatch):
     assert spans == [f"{tmp_path / 'ds.json'}: tensor_parallel.autotp_size 4: its groups of 4 consecutive ranks span "
                      "nodes (2 rank(s) per node), so each layer's all-reduces cross the inter-node network; use a size "
                      "that divides the ranks per node"]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launch.py sets this one, not LOCAL_WORLD_SIZE
+    assert [w for w in preflight.check_run(args, 4).warnings if "span nodes" in w] == spans
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert not [w for w in preflight.check_run(args, 4).warnings if "span nodes" in w]
 

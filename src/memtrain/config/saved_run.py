@@ -13,7 +13,9 @@ CONFIG_FILE = "config.json"  # in the run directory: every value a run segment u
 
 # Keys whose change alters what a model checkpoint holds (its parameters, their shapes or their partitioning):
 # a resume that changes one would fail inside DeepSpeed's load with a tensor-size error, or load wrong state.
-CHECKPOINT_KEYS = ("recipe: model.type", "recipe: model.config", "recipe: model.lora", "recipe: model.dtype",
+# (model.config is not one: most of its keys change no parameter (dropout, rope scaling, attention implementation),
+# and the checkpoint's recorded shapes catch those that do: memtrain.train.resume_check.check_shapes.)
+CHECKPOINT_KEYS = ("recipe: model.type", "recipe: model.lora", "recipe: model.dtype",
                    "recipe: train.trainable", "recipe: train.frozen", "recipe: parallel.sequence",
                    "deepspeed: zero_optimization.stage", "deepspeed: tensor_parallel")
 

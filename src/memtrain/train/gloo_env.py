@@ -12,6 +12,7 @@ import os
 from typing import Optional
 
 from memtrain.errors import NodeError
+from memtrain.train.node import agent_ranks
 
 FILES_PER_PEER = 4  # gloo's sockets per peer and group (main and side group, a pair each), with room
 FILES_BESIDE = 1024  # what the rest of a rank opens: libraries, data files, checkpoint shards, pipes
@@ -61,6 +62,6 @@ def prepare(world: int) -> Optional[str]:
             return ""
 
     hostname = socket.gethostname()
-    check_reachable(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), hostname, resolved(hostname),
+    check_reachable(world, agent_ranks(world), hostname, resolved(hostname),
                     resolved(os.environ.get("MASTER_ADDR", "127.0.0.1")))
     return raise_open_files_limit(world)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from memtrain.train import checkpoint, long_context
 from memtrain.train import run_dir as run_dirs
+from memtrain.train.node import agent_ranks, holds_rank0
 from memtrain.train.resume_check import check_resume, check_shapes
 from memtrain.model.data_check import check_data_files, check_seq_len
 from memtrain.recompute.policy import ACPlan, build_plan
@@ -40,7 +41,7 @@ from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_t
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log, rng
 from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile, leaf_names_layer
-from memtrain.errors import NodeError, UserError, cli_entry
+from memtrain.errors import NodeError, UserError, cli_entry, is_rank_zero
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
 from memtrain.config.zero3 import Zero3Layout, zero3_layout
 from memtrain.recompute.hooks import apply_plan
@@ -349,7 +350,7 @@ def groups_across_nodes(tp: int, sp: int, world_size: int, source: str) -> list[
     not dividing them) puts every layer's all-reduces or all-to-alls on the inter-node fabric: a warning line."""
     import os
 
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # a worker knows its agent's; make train: all
+    per_node = agent_ranks(world_size)  # a worker knows its agent's; make train: all
     found = []
     for key, size, what in ((f"{source}: tensor_parallel.autotp_size", tp, "all-reduces"),
                             ("parallel.sequence", sp, "all-to-alls")):
@@ -367,7 +368,7 @@ def final_bytes(model, ds_config: dict, train) -> int:
 
     import torch
 
-    if not train.save_checkpoints or int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0)) != 0:
+    if not train.save_checkpoints or not holds_rank0():
         return 0
     itemsize = torch.empty((), dtype=getattr(torch, compute_dtype(ds_config, run_device()))).element_size()
     return sum(p.numel() for p in model.parameters()) * itemsize
@@ -385,7 +386,7 @@ def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] 
     from memtrain.memory.host import available_bytes
 
     # a worker knows its agent's ranks; make train: all
-    ranks = ranks_on_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    ranks = ranks_on_node or agent_ranks(world_size)
     states = prediction.model_states
     per_rank = prediction.host_activations + states.host
     if run_device() == "cpu":
@@ -469,7 +470,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
                         f"({recipe.parallel.sequence}); memtrain runs AutoTP or Ulysses sequence parallelism, not both")
     check_autotp_model(args.ds_config, source, model)
     rng.check(config, model, tp_size(args.ds_config), source)  # dropout masks AutoTP's shards can take
-    if resume is not None:
+    if resume is not None and is_rank_zero():  # rank 0 decides the checkpoint every rank loads (checkpoint.load)
         check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
     hidden = model_hidden_size(config)
     needs_model = [a.key for a in AUTO_KEYS if a.needs_model and get(args.ds_config, a.key) == AUTO]

@@ -3,12 +3,11 @@ left to train, and a recipe whose model has the checkpoint's parameter shapes.""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from memtrain.errors import UserError
+from memtrain.errors import UserError, is_rank_zero
 from memtrain.units import GIB
 from memtrain.train import checkpoint
 from memtrain.train.run_dir import ASIDE
@@ -19,12 +18,17 @@ def check_resume(run_dir: Path, world_size: int, max_steps: int) -> checkpoint.R
     if not checkpoint.has_checkpoint(checkpoint_dir) and checkpoint.has_checkpoint(run_dir / ASIDE / "checkpoints"):
         raise UserError(f"--resume: no model checkpoint in {checkpoint_dir}; an interrupted --overwrite left the earlier "
                         f"run in {run_dir / ASIDE}: move its entries back into {run_dir} to resume it")
-    # rank 0 (and the one-process preflight) reads every file's zip directory; the other ranks check names only
-    # (hundreds of ranks opening every shard would be ~world^2 opens), and load rank 0's choice (checkpoint.load)
-    point = checkpoint.resume_point(checkpoint_dir, open_files=os.environ.get("RANK", "0") == "0")
+    # rank 0 (and the one-process preflight) reads every file's zip directory and decides; the other ranks check
+    # names only (hundreds of ranks opening every shard would be ~world^2 opens) and load rank 0's choice
+    # (checkpoint.load): where a damaged file makes rank 0 choose an older step, theirs would differ, so what follows
+    # from the choice (finished? room for the next save?) is rank 0's to say
+    rank0 = is_rank_zero()
+    point = checkpoint.resume_point(checkpoint_dir, open_files=rank0)
     if point.world_size != world_size:
         raise UserError(f"--resume: {checkpoint_dir / point.tag} was saved by {point.world_size} ranks, this launch has "
                         f"{world_size}; ZeRO checkpoints are per rank, relaunch with {point.world_size}")
+    if not rank0:
+        return point
     config = run_dir / "config.json"
     try:
         json.loads(config.read_text(encoding="utf-8"))

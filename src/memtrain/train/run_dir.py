@@ -139,6 +139,9 @@ def lock(run_dir: Path) -> tuple[Optional[str], Optional[str]]:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
+            if _earlier_attempt(holder):
+                return None, (f"--run-dir {run_dir}: its lock is held by this Slurm job's earlier attempt ({holder}), "
+                              "left by a lost node (an NFS or Lustre lock outlives its client): going on without it")
             return in_use(run_dir, holder), None
         except OSError as e:
             os.close(fd)
@@ -151,7 +154,8 @@ def lock(run_dir: Path) -> tuple[Optional[str], Optional[str]]:
             pass
         os.close(fd)  # the holder removed the file as it ended (unlock) after this one opened it: open it again
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {datetime.now():%Y-%m-%d %H:%M:%S}".encode())
+    job = f" (slurm job {os.environ['SLURM_JOB_ID']})" if os.environ.get("SLURM_JOB_ID") else ""
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {datetime.now():%Y-%m-%d %H:%M:%S}{job}".encode())
     _locks[run_dir.resolve()] = fd
     return None, None
 
@@ -179,7 +183,8 @@ def check_not_in_use(run_dir: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # granted: nobody holds it exclusively
     except BlockingIOError:
-        raise UserError(in_use(run_dir, _holder(fd))) from None
+        if not _earlier_attempt(_holder(fd)):
+            raise UserError(in_use(run_dir, _holder(fd))) from None
     except OSError:  # no file locks here: lock() warns in the run
         pass
     finally:
@@ -188,7 +193,14 @@ def check_not_in_use(run_dir: Path) -> None:
 
 def in_use(run_dir: Path, holder: str) -> str:
     return (f"--run-dir {run_dir}: another run is using it ({holder or 'its holder unknown'}); wait for it to end "
-            "(or stop it), or pass another --run-dir")
+            f"(or stop it), or pass another --run-dir (no run left? a node lost while holding it: remove {run_dir / LOCK})")
+
+
+def _earlier_attempt(holder: str) -> bool:
+    """The holder is this Slurm job itself, from an attempt before its requeue (the requeue keeps the job id, and
+    Slurm ended that attempt's processes): its lock stayed behind with a lost node."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return bool(job) and holder.endswith(f"(slurm job {job})")
 
 
 def _holder(fd: int) -> str:

@@ -181,6 +181,8 @@ class StopAgreement:
 
         if self.group is None:
             self.save_due = bool(self._due_here())
+            if self.save_due:
+                self.saved()
             return [received()] if received() else []
         decided, self.save_due = [], False
         if self.pending is not None:
@@ -188,6 +190,8 @@ class StopAgreement:
             work.wait()
             values = flags.tolist()
             decided, self.save_due = names(values[:-1]), values[-1] > 0
+        if self.save_due:  # agreed: rank 0's clock starts again now, so its next flag asks for the next save only
+            self.saved()
         flags = torch.tensor(one_hot() + [self._due_here()])
         self.pending = (dist.all_reduce(flags, group=self.group, async_op=True), flags)
         return decided

@@ -45,6 +45,7 @@ from memtrain.train import rng
 from memtrain.train.preflight import check_host_memory, check_run
 from memtrain.train import long_context
 from memtrain.train import gloo_env, signals
+from memtrain.train.node import agent_ranks
 from memtrain.train.zero3_probe import OpCounter, Zero3Probe, summarize
 
 
@@ -74,7 +75,7 @@ def cpu_threads(cuda: bool, host_optimizer: bool, env=os.environ) -> Optional[in
     None: leave the launcher's setting."""
     if cuda and not host_optimizer:
         return None
-    local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
+    local_world = agent_ranks(int(env.get("WORLD_SIZE", 1)), env)
     cores = int(env.get("SLURM_CPUS_PER_TASK", 0)) or len(os.sched_getaffinity(0)) or 1
     return max(1, cores // local_world)
 
@@ -150,9 +151,9 @@ def save_every_s(train) -> Optional[float]:
     """Seconds between timed model checkpoints (train.save_every_minutes; in a Slurm job 30 minutes by default,
     since its requeue resumes from the newest checkpoint); None: no timed saves."""
     minutes = train.save_every_minutes
-    if minutes is None and "SLURM_JOB_ID" in os.environ and train.save_checkpoints:
+    if minutes is None and "SLURM_JOB_ID" in os.environ:
         minutes = SLURM_SAVE_EVERY_MINUTES
-    return minutes * 60 if minutes else None
+    return minutes * 60 if minutes and train.save_checkpoints else None
 
 
 def log_every(train, raw_ds_config: dict) -> int:
@@ -177,7 +178,7 @@ def _check_the_nodes_host_memory(checked, world: int) -> None:
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     here = hosts.count(socket.gethostname())
-    if here > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+    if here > agent_ranks(world):
         prediction = checked.memory_plan.prediction if checked.memory_plan is not None else checked.prediction
         check_host_memory(prediction, world, ranks_on_node=here, final=checked.final_bytes)
 
