@@ -202,6 +202,8 @@ def _files(tmp_path):
     (d / "chat-keys.jsonl").write_text('{"conversations": []}\n')
     (d / "fake.parquet").write_text("a text file named .parquet\n" * 10)
     (d / "a-file").write_text("")
+    (d / "held-out.txt").write_text("held-out text, long enough to fill a few rows of 128 byte tokens. " * 20)
+    (d / "short.txt").write_text("one row and a half of held-out text: " * 5)
     (d / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
     for name, text in (("broken", '{"model_type": "llama", "hidden_size": 128'), ("untyped", '{"hidden_size": 128}'),
                        ("unknown", '{"model_type": "lama"}')):
@@ -237,6 +239,21 @@ def _files(tmp_path):
           "data.paths=[{d}/chat-keys.jsonl]"),
      "embedded recipe 'tiny': data.messages_key: 'messages' is not a field of {d}/chat-keys.jsonl (line 1 has: "
      "conversations)"),
+    # held-out evaluation
+    (_set("train.eval_every=5"), "embedded recipe 'tiny': train.eval_every: set, but there is no held-out data to "
+     "evaluate; name it with data.eval_paths"),
+    (_set("train.eval_batches=2"), "embedded recipe 'tiny': train.eval_batches: set, but there is no held-out data"),
+    (_set("data.eval_paths=[/nonexistent/held-out/*.txt]"), "embedded recipe 'tiny': data.eval_paths[0]: "
+     "'/nonexistent/held-out/*.txt' matches no file"),
+    (_set("data.eval_paths=[{d}/latin1.txt]"), "embedded recipe 'tiny': data.eval_paths: {d}/latin1.txt: not UTF-8 "
+     "text (byte 0xe9 at offset 3)"),
+    (_set("data.paths=[{d}/held-out.txt]", "data.eval_paths=[{d}/held-out.txt]"), "embedded recipe 'tiny': "
+     "data.eval_paths: {d}/held-out.txt is in data.paths too (1 file(s) in both): held-out data must not be "
+     "trained on"),
+    (_set("data.eval_paths=[{d}/held-out.txt]", "data.random_tokens=true"), "embedded recipe 'tiny': "
+     "data.eval_paths: data.random_tokens trains on random ids"),
+    (_set("data.eval_paths=[{d}/short.txt]", "data.cache_dir={d}/cache"), "data.eval_paths: the eval data packs "
+     "into 1 row(s), fewer than one eval batch (2 data rank(s) x micro-batch 8); add held-out text"),
     (_set("data.cache_dir={d}/a-file/cache"), "embedded recipe 'tiny': data.cache_dir: '{d}/a-file/cache' cannot be "
      "created: '{d}/a-file' is a file, not a directory"),
     (_set("data.cache_dir={d}/a-file"), "embedded recipe 'tiny': data.cache_dir: '{d}/a-file' exists and is not a "

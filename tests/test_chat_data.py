@@ -123,6 +123,11 @@ def test_trainer_trains_on_chat_rows_and_counts_real_tokens(tokenizer_dir, tmp_p
                           {"role": "assistant", "content": f"answer {i}"}]} for i in range(40)]
     rows.append({"messages": [{"role": "user", "content": "unanswered"}]})
     data = _write(tmp_path / "chat.jsonl", rows)
+    # held-out rows, one per packed row (a 110-token sample leaves no room for another in 128): the eval counts
+    # each one's assistant tokens, "answer i" and its end-of-turn token, and nothing else
+    held_out = _write(tmp_path / "held-out.jsonl", [
+        {"messages": [{"role": "user", "content": "q" * 80}, {"role": "assistant", "content": f"answer {i}"}]}
+        for i in range(10)])
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), "--deepspeed",
                            str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--run-dir", str(run),
@@ -130,11 +135,13 @@ def test_trainer_trains_on_chat_rows_and_counts_real_tokens(tokenizer_dir, tmp_p
                            "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.seq_len=128",
                            "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.micro_batch_size=2",
                            "--set", "train.max_steps=4", "--set", "train.log_every=4",
-                           "--set", "train.metric_warmup_steps=0", "--set", "train.save_checkpoints=false"],
+                           "--set", "train.metric_warmup_steps=0", "--set", "train.save_checkpoints=false",
+                           "--set", f"data.eval_paths=[{held_out}]", "--set", "train.eval_batches=5"],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "data: chat, 40 samples in " in proc.stdout and "skipped 1 of 41: 1 no assistant turn" in proc.stdout
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval_tokens"] == 10 * len("answer 0 ") and 0 < summary["eval_loss"] < 10, summary
     recipe = load_recipe(None, [f"data.paths=[{data}]", "data.format=chat", f"data.tokenizer={tokenizer_dir}",
                                 "data.seq_len=128", f"data.cache_dir={tmp_path / 'cache'}"])
     packed = prepare_data(recipe.data, recipe.train.seed)  # the rows the run read, in its order

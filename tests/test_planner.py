@@ -286,9 +286,10 @@ CPU_RECIPES = (None, "gpt2-small", "qwen2-tiny")  # the rest are GPU recipes: pl
 @pytest.mark.parametrize("recipe", [None, *sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))])
 def test_plan_cli_every_recipe(recipe, capsys):
     """make plan --json on the embedded recipe and every shipped one: JSON that parses (LoRA's section as the
-    recipe writes it), with the policies' peaks in order."""
+    recipe writes it), with the policies' peaks in order, and a held-out eval's peak below every training peak."""
     path = ROOT / "recipes" / f"{recipe}.yaml"
-    argv = ["--json", "--deepspeed", ZERO3] + (["--recipe", str(path)] if recipe else [])
+    argv = ["--json", "--deepspeed", ZERO3, "--set", f"data.eval_paths=[{ROOT / 'README.md'}]"] + (
+        ["--recipe", str(path)] if recipe else [])
     gpu = recipe not in CPU_RECIPES
     if recipe and load_recipe(str(path), []).data.seq_len > 8192:  # the long recipes: their sections, not the
         argv += ["--set", "data.seq_len=8192"]  # 15 s their full length takes to profile on fake tensors
@@ -301,6 +302,8 @@ def test_plan_cli_every_recipe(recipe, capsys):
     # (equal where the optimizer step's peak is above both: an 8B model at 8,192 tokens)
     assert full["peak"] <= keep["peak"] and keep["peak"] > report["model_states"]["total"] > 0
     assert report["target"]["dtype"] == ("bfloat16" if gpu else "float32")
+    # one no-grad forward: the model states and more than the running hidden states, less than any training step
+    assert report["model_states"]["total"] < report["eval_peak"] <= min(p["peak"] for p in policies.values())
     lora = load_recipe(str(path) if recipe else None, []).model.lora
     assert report["target"]["lora"] == (lora and lora.model_dump(mode="json"))
 

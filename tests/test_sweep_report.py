@@ -26,8 +26,9 @@ def _sweep_file(tmp_path, grid, set_=None, name="s"):
     return path
 
 
-def _write_events(tb_dir, memory, tokens_per_s, steps=6, warmup=3):
-    """Steps 1..steps: loss/memory every step, throughput/time only after `warmup` (as the trainer)."""
+def _write_events(tb_dir, memory, tokens_per_s, steps=6, warmup=3, eval_every=None):
+    """Steps 1..steps: loss/memory every step, throughput/time only after `warmup` (as the trainer); with
+    eval_every, a held-out loss of 20 - step every eval_every steps."""
     from torch.utils.tensorboard import SummaryWriter
 
     w = SummaryWriter(str(tb_dir))
@@ -38,6 +39,8 @@ def _write_events(tb_dir, memory, tokens_per_s, steps=6, warmup=3):
         if step > warmup:
             w.add_scalar("throughput/tokens_per_s", tokens_per_s + step, step)
             w.add_scalar("time/step_s", 0.5 * step, step)
+        if eval_every and step % eval_every == 0:
+            w.add_scalar("eval/loss", 20.0 - step, step)
     w.close()
 
 
@@ -65,7 +68,7 @@ def test_report_rows_pareto_failures_and_budget(tmp_path, monkeypatch):
     measured = {("none", 4): (1.0, 200.0), ("full", 4): (0.0, 100.0), ("full", 8): (1.0, 150.0),
                 ("full", 16): (2.0, 140.0)}
     for key, (m, t) in measured.items():
-        _write_events(by[key].run_dir / "tb", memory=m, tokens_per_s=t)
+        _write_events(by[key].run_dir / "tb", memory=m, tokens_per_s=t, eval_every=3 if key == ("full", 8) else None)
         _summary(by[key].run_dir, "completed")
     _summary(by[("none", 8)].run_dir, "oom", "CUDA out of memory at step 1")
     _summary(by[("none", 16)].run_dir, "failed", "RuntimeError: boom")
@@ -76,6 +79,7 @@ def test_report_rows_pareto_failures_and_budget(tmp_path, monkeypatch):
     assert float(rows[("full", "8")]["tokens_per_s"]) == 155.0
     assert float(rows[("full", "8")]["peak_allocated_gib"]) == 2.25
     assert float(rows[("full", "8")]["final_loss"]) == 4.0
+    assert float(rows[("full", "8")]["eval_loss"]) == 14.0 and rows[("full", "4")]["eval_loss"] == ""  # the last eval
     # Pareto over (memory down, tokens/s up): (1.25, 105) (2.25, 155) (2.25, 205) (3.25, 145)
     assert {k for k, r in rows.items() if r["pareto"] == "True"} == {("full", "4"), ("none", "4")}
     assert rows[("none", "8")]["status"] == "oom" and rows[("none", "8")]["reason"] == "CUDA out of memory at step 1"
@@ -87,6 +91,10 @@ def test_report_rows_pareto_failures_and_budget(tmp_path, monkeypatch):
     assert any(line.startswith("| none | 16 | failed |") and "RuntimeError: boom" in line for line in md)
     assert (out / "throughput_vs_memory.png").stat().st_size > 10_000
     assert (out / "activation_memory.png").stat().st_size > 10_000
+    assert (out / "eval_loss.png").stat().st_size > 10_000  # the one point that evaluated, as a curve
+    header = next(line for line in md if line.startswith("| policy"))
+    assert "| final loss | eval loss |" in header
+    assert any(line.startswith("| full | 8 | completed |") and "| 4.0000 | 14.0000 |" in line for line in md)
 
     rows_all, mem = gather(sweep)
     assert mem == "peak_allocated_gib"

@@ -100,6 +100,9 @@ class DataSection(_Strict):
     messages_key: str = "messages"
     prompt_key: str = "prompt"
     response_key: str = "response"
+    eval_paths: list[str] = Field(default_factory=list)
+    """Held-out evaluation files or glob patterns, read like `paths` (same format, tokenizer and seq_len), never
+    trained on. The eval loss is computed every train.eval_every steps and at the end (memtrain.train.evaluate)."""
     random_tokens: bool = False
     """Train on seeded random token ids over the model's vocabulary instead of files (benchmarks:
     throughput and memory do not depend on what the tokens say). No file is read."""
@@ -169,6 +172,12 @@ class TrainSection(_Strict):
         if lr is not None and value > lr:
             raise ValueError(f"the schedule's floor must not exceed train.lr={lr:g}")
         return value
+    eval_every: Optional[PositiveInt] = None
+    """Evaluate the held-out data (data.eval_paths) every N steps; it is always evaluated at the last step. The
+    token-weighted eval/loss and eval/perplexity go to TensorBoard, the bar, summary.json and the final line."""
+    eval_batches: PositiveInt = 8
+    """Micro-batches each data-parallel rank evaluates per eval pass (fewer when the eval data holds fewer rows).
+    The same rows every time, in order: evals of one run, and of a resumed one, compare."""
     peak_tflops: Optional[PositiveFloat] = None
     """Peak dense TFLOP/s of one device, for MFU. Auto-detected for known GPUs."""
     compile: Union[bool, Literal["auto"]] = False

@@ -236,6 +236,17 @@ def predict(profile: ActivationProfile, states: ModelStates, choices, segments=(
     )
 
 
+def eval_peak(profile: ActivationProfile, states: ModelStates) -> int:
+    """Peak device bytes of a held-out eval micro-batch (memtrain.train.evaluate): one forward under no_grad, with
+    the model states as in training (ZeRO-3 gathers a layer at a time, as in the forward). Nothing is saved for a
+    backward, so a layer holds only the running hidden states (in `base`) and its own forward transient, which is
+    what a fully recomputed layer's forward measures (it saves nothing either); then the head's transient, whose
+    measure includes its backward's (an upper bound here). Never above a training step's peak, which has each of
+    these terms and more at its own peak."""
+    layer = profile.layers.get(FULL) or profile.layers[KEEP]
+    return states.total + profile.base + max(layer.fwd_excess, profile.head_excess) + allocator_margin(profile)
+
+
 # --------------------------------------------------------------------------- any ACPlan
 
 def _layer_module_names(model) -> tuple[str, list[str]]:

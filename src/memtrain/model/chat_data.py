@@ -159,7 +159,10 @@ class PackedChat:
         return len(self.ids)
 
     def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> dict:
-        rows = order.micro_rows(len(self.ids), self.seed, step, micro, rank, world, micro_batch, grad_accum)
+        return self.rows(order.micro_rows(len(self.ids), self.seed, step, micro, rank, world, micro_batch, grad_accum))
+
+    def rows(self, rows: np.ndarray) -> dict:
+        """Rows by index: the forward's inputs and their real-token count (eval reads its rows in order)."""
         return {"input_ids": torch.from_numpy(self.ids[rows]), "labels": torch.from_numpy(self.labels[rows]),
                 "position_ids": torch.from_numpy(self.positions[rows]), "tokens": int(self.real[rows].sum())}
 

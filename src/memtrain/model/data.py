@@ -124,7 +124,7 @@ def _read_texts(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[st
             raise UserError(f"data.text_key: column '{column}' not in {paths[0]} (columns: {', '.join(ds.column_names)})")
         for text in ds[column]:
             if isinstance(text, str) and text.strip():
-                texts.append(text[: int(budget)])
+                texts.append(text[: int(min(budget, len(text)))])  # no max_bytes: budget is inf
                 budget -= len(texts[-1])
                 if budget <= 0:
                     return texts
@@ -183,8 +183,12 @@ class PackedData:
 
     def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> torch.Tensor:
         """The micro-batch that `rank` trains on at (step, micro). Pure function: resume-exact."""
-        rows = order.micro_rows(len(self.sequences), self.seed, step, micro, rank, world, micro_batch, grad_accum)
-        return torch.from_numpy(self.sequences[rows].astype(np.int64))
+        return self.rows(order.micro_rows(len(self.sequences), self.seed, step, micro, rank, world, micro_batch,
+                                          grad_accum))
+
+    def rows(self, indices: np.ndarray) -> torch.Tensor:
+        """Rows by index, as int64 token ids [len(indices), seq_len] (eval reads its rows in order)."""
+        return torch.from_numpy(self.sequences[indices].astype(np.int64))
 
     def labelled_tokens(self, step: int, world: int, micro_batch: int, grad_accum: int) -> int:
         """Tokens with a label in all of `step`'s micro-batches on all `world` data ranks: every position of a

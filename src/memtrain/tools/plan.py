@@ -17,8 +17,9 @@ from typing import Optional
 from memtrain.recompute.policy import build_plan
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.units import GIB, parse_size
+from memtrain.model.eval_data import has_eval_data
 from memtrain.model.moe import experts_line
-from memtrain.memory.predict import LayerChoice, predict, predict_plan
+from memtrain.memory.predict import LayerChoice, eval_peak, predict, predict_plan
 from memtrain.memory.profile import MODULES, ActivationProfile, profile_activations
 from memtrain.memory.rates import measure_rates
 from memtrain.memory.states import model_states
@@ -77,6 +78,8 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
         "policies": {}, "budget": budget,
         "allocator_margin_note": "measured as 0 on an H100 (memory.predict.ALLOCATOR_MARGIN)",
         "experts": experts_line(config, target.dtype),
+        # held-out eval (data.eval_paths): one no-grad forward per eval micro-batch
+        "eval_peak": eval_peak(profile, states) if has_eval_data(recipe.data) else None,
         "compile": (None if recipe.train.compile is False else
                     "train.compile: these are eager layers' figures; a compiled layer saves what its compiled backward "
                     "reads (often less), and the run's compile line gives the measured difference"),
@@ -223,6 +226,12 @@ def format_report(r: dict) -> str:
                  "predicted recompute and exposed offload time per micro-step, shown when the rates were measured "
                  "on the target device)")
     lines += [f"note: {n}" for n in notes]
+    if r.get("eval_peak") is not None:
+        lowest = min(p["peak"] for p in r["policies"].values())
+        lines.append(f"eval (train.eval_every: one no-grad forward per eval micro-batch, nothing saved): peak "
+                     f"{g(r['eval_peak'])} GiB, below every policy's training peak (lowest {g(lowest)})"
+                     if r["eval_peak"] <= lowest else
+                     f"eval: peak {g(r['eval_peak'])} GiB, ABOVE the lowest training peak {g(lowest)}")
     if budget is not None:
         auto = r["auto"]
         if auto["fits"]:

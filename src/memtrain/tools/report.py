@@ -69,6 +69,8 @@ def point_row(point: Point, names: dict[str, str]) -> dict[str, Any]:
     row.update({col: medians.get(tag) for col, tag, _, _ in METRICS})
     loss = scalars.get("train/loss")
     row["final_loss"] = loss[-1][1] if loss else None
+    row["eval_curve"] = scalars.get("eval/loss", [])  # (step, held-out loss) per eval
+    row["eval_loss"] = row["eval_curve"][-1][1] if row["eval_curve"] else None
     row["steps"] = loss[-1][0] if loss else (summary or {}).get("steps")
     row["pareto"] = False
     row["reason"] = (summary or {}).get("reason") or ""
@@ -132,7 +134,8 @@ def gather(sweep: Sweep) -> tuple[list[dict], str]:
 # --------------------------------------------------------------------------- tables
 
 def write_csv(rows: list[dict], swept: list[str], path: Path) -> None:
-    cols = ["point", *swept, "status", "steps", *[c for c, *_ in METRICS], "final_loss", "pareto", "reason"]
+    cols = ["point", *swept, "status", "steps", *[c for c, *_ in METRICS], "final_loss", "eval_loss", "pareto",
+            "reason"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
@@ -150,12 +153,15 @@ def write_markdown(sweep: Sweep, rows: list[dict], swept: list[str], mem: str, b
     # Columns with nothing measured in any row (MFU on CPU, device memory on CPU) are left out.
     metrics = [(c, h, f) for c, _, h, f in METRICS if any(r[c] for r in rows)]
     reasons = any(r["reason"] for r in rows)
-    header = [*swept, "status", *[h for _, h, _ in metrics], "final loss", "Pareto", *(["reason"] if reasons else [])]
+    held_out = any(r["eval_loss"] is not None for r in rows)  # a column only where some point evaluated
+    header = [*swept, "status", *[h for _, h, _ in metrics], "final loss", *(["eval loss"] if held_out else []),
+              "Pareto", *(["reason"] if reasons else [])]
     lines = [
         best_line(rows, mem, budget), "",
         f"# Sweep `{sweep.name}` ({sweep.path})", "",
         "Medians over the steps after warm-up, read from each run's TensorBoard files; final loss is the "
-        f"last logged loss. Pareto ✓: no other completed point is faster with no more {MEMORY_AXES[mem]}, "
+        "last logged loss" + (", eval loss the last held-out loss (eval_loss.png: its curves)" if held_out else "")
+        + f". Pareto ✓: no other completed point is faster with no more {MEMORY_AXES[mem]}, "
         "or as fast with less." + (" No device memory was measured (CPU runs): points are placed and budgeted by "
                                    "activation memory." if mem == "activation_gib" else ""),
         "",
@@ -165,7 +171,8 @@ def write_markdown(sweep: Sweep, rows: list[dict], swept: list[str], mem: str, b
     for r in rows:
         reason = r["reason"] if len(r["reason"]) <= 160 else r["reason"][:157] + "..."
         cells = [*[_cell(r[k]) for k in swept], r["status"], *[_cell(r[c], f) for c, _, f in metrics],
-                 _cell(r["final_loss"], "{:.4f}"), "✓" if r["pareto"] else "", *([_cell(reason)] if reasons else [])]
+                 _cell(r["final_loss"], "{:.4f}"), *([_cell(r["eval_loss"], "{:.4f}")] if held_out else []),
+                 "✓" if r["pareto"] else "", *([_cell(reason)] if reasons else [])]
         lines.append("| " + " | ".join(cells) + " |")
     path.write_text("\n".join(lines) + "\n")
 
@@ -300,6 +307,30 @@ def plot_activation_memory(sweep: Sweep, rows: list[dict], swept: list[str], pat
     _save(fig, ax, rows, swept, path)
 
 
+def plot_eval_loss(sweep: Sweep, rows: list[dict], swept: list[str], path: Path) -> bool:
+    """The held-out loss against the step, one line per point that evaluated; False (no file) when none did."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    curves = [r for r in rows if r["eval_curve"]]
+    if not curves:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in curves:
+        steps, losses = zip(*r["eval_curve"])
+        label = ", ".join(f"{k}={r[k]}" for k in swept) or r["point"]
+        ax.plot(steps, losses, marker="o", ms=3, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss (nats per token)")
+    ax.set_title(f"{sweep.name}: eval loss per point")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
 # --------------------------------------------------------------------------- command line
 
 def write_report(sweep: Sweep, budget: Optional[float] = None, out_root: Path = Path("reports")) -> Path:
@@ -318,6 +349,8 @@ def write_report(sweep: Sweep, budget: Optional[float] = None, out_root: Path = 
 
     plot_vs_seq_len(sweep, rows, short_names(list(sweep.points[0].values)), mem, MEMORY_AXES[mem],
                     out / "seq_len.png")
+    if not plot_eval_loss(sweep, rows, swept, out / "eval_loss.png"):
+        (out / "eval_loss.png").unlink(missing_ok=True)  # an earlier report's: no point evaluated now
     return out
 
 
@@ -332,7 +365,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     sweep = load_sweep(args.sweep, args.set, args.grid)
     out = write_report(sweep, budget)
     print((out / "summary.md").read_text().splitlines()[0])
-    extra = ", seq_len.png" if (out / "seq_len.png").exists() else ""
+    extra = "".join(f", {name}" for name in ("seq_len.png", "eval_loss.png") if (out / name).exists())
     print(f"report: {out}/summary.md, summary.csv, throughput_vs_memory.png, activation_memory.png{extra}")
 
 

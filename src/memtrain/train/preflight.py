@@ -37,6 +37,7 @@ from memtrain.memory.planner import predict_run
 from memtrain.units import GIB
 from memtrain.config.args import RunArgs, parse_args, parser
 from memtrain.model.data import build_tokenizer, builder_for, resolve_files
+from memtrain.model import eval_data
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log, rng
@@ -286,6 +287,23 @@ def check_text(files: list[Path], data: DataSection) -> None:
         raise UserError(f"data.paths: {', '.join(data.paths)}: the {len(files)} matched file(s) hold no text")
 
 
+def check_eval_files(data: DataSection, trained: list[Path]) -> None:
+    """data.eval_paths: the training files' checks, naming the eval key; a file in both is refused (its documents
+    would be trained on, and the eval loss would not be held out)."""
+    section = eval_data.eval_section(data)
+    try:
+        files = resolve_files(section)
+        if data.format == "text":
+            check_text(files, section)
+        check_data_files(files, section)
+    except UserError as e:  # the checks name the key they read: data.paths, here data.eval_paths
+        raise type(e)(str(e).replace("data.paths", "data.eval_paths", 1)) from None
+    both = sorted({f.resolve() for f in files} & {f.resolve() for f in trained})
+    if both:
+        raise UserError(f"data.eval_paths: {both[0]} is in data.paths too ({len(both)} file(s) in both): held-out "
+                        "data must not be trained on")
+
+
 def check_plan_applies(model, plan: ACPlan) -> None:
     """Install the AC plan on the meta-device model, as the workers will: module patterns that match
     nothing, sublayers a family lacks and layer-count mismatches are found here."""
@@ -422,6 +440,9 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
             check_data_files(files, recipe.data)
         if files:
             run_dirs.check_creatable(Path(recipe.data.cache_dir), "data.cache_dir")
+        eval_data.check_settings(recipe.data, recipe.train)
+        if eval_data.has_eval_data(recipe.data):
+            check_eval_files(recipe.data, files)
         tokenizer = build_tokenizer(recipe.data.tokenizer)
         if files and recipe.data.format != "text":  # columns and rows: when packing (memtrain.model.chat_data)
             check_template(tokenizer, recipe.data)
@@ -524,8 +545,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                    world_size=int(os.environ.get("WORLD_SIZE", 1)))
     args = parse_args(sys.argv[1:] if argv is None else argv, flags)
     check_run(args, args.world_size)
-    if not args.recipe.data.random_tokens:
-        prepare_data(args.recipe.data, args.recipe.train.seed)
+    recipe = args.recipe
+    if not recipe.data.random_tokens:
+        prepare_data(recipe.data, recipe.train.seed)
+    held_out = eval_data.prepare_eval_data(recipe.data, recipe.train.seed)
+    if held_out is not None:  # enough eval rows for one batch on every data rank
+        dp_size = args.world_size // (tp_size(args.ds_config) * recipe.parallel.sequence)
+        eval_data.batches_per_rank(len(held_out), recipe.train.eval_batches, dp_size, recipe.train.micro_batch_size)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from memtrain.config.args import RunArgs
 from memtrain.config.saved_run import CONFIG_FILE
 from memtrain.model.chat_data import PackedChat, report_line
 from memtrain.model.data import PackedData, RandomTokens, prepare_data, to_device
+from memtrain.model.eval_data import batches_per_rank, prepare_eval_data
 from memtrain.model.freeze import freeze
 from memtrain.model.lora import add_lora
 from memtrain.train.final import save_final
@@ -46,6 +47,7 @@ from memtrain.train.preflight import check_host_memory, check_run
 from memtrain.train import long_context
 from memtrain.train import gloo_env, signals
 from memtrain.train.node import agent_ranks
+from memtrain.train.evaluate import evaluate
 from memtrain.train.zero3_probe import OpCounter, Zero3Probe, summarize
 
 
@@ -165,7 +167,12 @@ def is_boundary(done: int, t, every: int) -> bool:
     """Steps after which the ranks synchronise: log, the end of the metric warm-up, a save, the last.
     A pure function of the step, so every rank stops at the same ones."""
     return (done % every == 0 or done == t.max_steps or done == t.metric_warmup_steps
-            or bool(t.save_interval and done % t.save_interval == 0))
+            or bool(t.save_interval and done % t.save_interval == 0) or eval_due(done, t))
+
+
+def eval_due(done: int, t) -> bool:
+    """Steps after which the held-out data is evaluated (when there is some): every train.eval_every, and the last."""
+    return done == t.max_steps or bool(t.eval_every and done % t.eval_every == 0)
 
 
 def _check_the_nodes_host_memory(checked, world: int) -> None:
@@ -265,6 +272,7 @@ class _Run:
     longctx: Any
     layout: Any
     compiled: bool  # train.compile, as rank 0 decided
+    eval_data: Any = None  # held-out rows (memtrain.model.eval_data), or None
 
 
 @dataclass
@@ -281,6 +289,7 @@ class _Steps:
     started: float
     probe: Any
     compiles: Any  # memtrain.recompute.compiled.CompileWatch under train.compile, else None
+    last_eval: Any = None  # memtrain.train.evaluate.EvalResult of the last eval, or None
 
 
 def _start(args: RunArgs, progress: RunPosition) -> _Run:
@@ -308,6 +317,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     # that a long packing would time out (memtrain.model.data.prepare_data).
     data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
         prepare_data(recipe.data, t.seed)
+    eval_data = prepare_eval_data(recipe.data, t.seed)  # packed the same way, before the ranks meet
     gloo_warning = gloo_env.prepare(world)  # descriptors for gloo's sockets, an address other nodes reach
     timeout = timedelta(seconds=t.collective_timeout_s)
     _meet(timeout)
@@ -370,7 +380,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
         if number_changed:  # number_checkpoints "auto": the modules matched are known now
             _write_config(run_dir, args, ds_config, world, plan, earlier)
     return _Run(args, world, rank, checked, plan, memory_plan, run_dir, predicted_peak, data, agreement, engine,
-                longctx, layout, compiled.on)
+                longctx, layout, compiled.on, eval_data)
 
 
 def _steps(run: _Run, progress: RunPosition) -> _Steps:
@@ -393,6 +403,9 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     peak_tflops = t.peak_tflops or device_peak_tflops()
     tokens_per_step = layout.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, recipe.data.seq_len)
     every = log_every(t, args.ds_config)
+    eval_batches = 0 if run.eval_data is None else \
+        batches_per_rank(len(run.eval_data), t.eval_batches, layout.dp_size, t.micro_batch_size)
+    last_eval = None
     meter = ActivationMeter()
     timer = IntervalTimer(device)
     history: list[dict[str, float]] = []
@@ -482,10 +495,17 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
             measured_steps += steps
         else:  # warm-up: keep loss/lr/memory in TensorBoard, but no throughput figures
             row = {k: v for k, v in row.items() if not k.startswith(("throughput/", "time/"))}
+        if eval_batches and eval_due(done, t) and not stopped:  # after the interval's clock stopped: not timed
+            last_eval = evaluate(engine, run.eval_data, sp, layout, eval_batches, t.micro_batch_size)
+            row = {**row, **last_eval.metrics()}  # a new row: the history keeps training's figures only
+            if compiles is not None:  # eval's no-grad forward compiles each layer once more: expected, not late
+                compiles.step_done(step, warmed_up=False)
         engine.monitor.write_events([(tag, value, done) for tag, value in row.items()])
         shown = {"loss": f"{last_loss:.3f}"}
         if "throughput/tokens_per_s" in row:  # measured only after the warm-up: no made-up 0 before it
             shown["tok_s"] = f"{row['throughput/tokens_per_s']:,.0f}"
+        if last_eval is not None:
+            shown["eval"] = f"{last_eval.loss:.3f}"
         bar.set_postfix(**shown, act_gib=f"{row['memory/activation_gib']:.3f}")
         step_losses, interval_start, interval_tokens = [], done, 0
         if stopped:
@@ -503,7 +523,8 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     bar.close()
     agreement.close()
 
-    return _Steps(start, done, status, stop_signal, last_loss, history, measured_steps, started, probe, compiles)
+    return _Steps(start, done, status, stop_signal, last_loss, history, measured_steps, started, probe, compiles,
+                  last_eval)
 
 
 def _finish(run: _Run, steps: _Steps) -> dict:
@@ -535,6 +556,9 @@ def _finish(run: _Run, steps: _Steps) -> dict:
     }
     summary.update({k.partition("/")[2]: v for k, v in scaler_row(engine).items()})
     summary["skipped_steps"] = int(summary["skipped_steps"])
+    if steps.last_eval is not None:  # the last eval of this segment (a resumed run's too)
+        summary.update(eval_loss=steps.last_eval.loss, eval_perplexity=steps.last_eval.perplexity,
+                       eval_tokens=steps.last_eval.tokens)
     if run.predicted_peak is not None:
         summary["predicted_peak_gib"] = run.predicted_peak / GIB
     if device.type == "cuda":
@@ -557,7 +581,9 @@ def _finish(run: _Run, steps: _Steps) -> dict:
             then = f"; continue with: --resume --run-dir {run_dir}"
         else:
             then = f"; model: {run_dir / 'final'}" if (run_dir / "final").is_dir() else ""
-        print(f"{status}: {completed} steps, final loss {last_loss:.4f}; "
+        held_out = "" if steps.last_eval is None else \
+            f", eval loss {steps.last_eval.loss:.4f} (perplexity {steps.last_eval.perplexity:.2f})"
+        print(f"{status}: {completed} steps, final loss {last_loss:.4f}{held_out}; "
               f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'}){then}", flush=True)
     dist.barrier()
     # Close the process group before the interpreter exits: left to interpreter shutdown, gloo's
