@@ -37,6 +37,31 @@ def run_train(args: list[str], nproc: int = 0, timeout: int = 600, cwd: Path = R
     return subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout)
 
 
+# held-out data for eval tests: the standard library's json package (the default training corpus reads the top level)
+EVAL_FILES = sorted(Path(__import__("sysconfig").get_paths()["stdlib"]).glob("json/*.py"))
+EVAL_PATHS = f"data.eval_paths=[{EVAL_FILES[0].parent}/*.py]"
+
+
+def eval_loss_by_hand(final: Path, seq_len: int, rows: int) -> tuple[float, int]:
+    """The held-out loss of `final/` computed without memtrain: EVAL_FILES as byte-token documents + EOS (256),
+    cut into rows of seq_len, the first `rows` of them; their next-token cross-entropy from transformers' own
+    forward in float64, averaged over every labelled position. (mean, positions)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    texts = [f.read_text() for f in EVAL_FILES]
+    stream = np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8).astype(np.int64), 256)
+                             for t in texts if t.strip()])
+    ids = torch.from_numpy(stream[: len(stream) // seq_len * seq_len].reshape(-1, seq_len)[:rows])
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                               reduction="none")
+    return losses.mean().item(), losses.numel()
+
+
 def _free_port() -> int:
     import socket
 

@@ -29,6 +29,7 @@ from memtrain.config.recipe import load_recipe
 from memtrain.model.build import build_config, build_model
 from memtrain.model.lora import add_lora
 from memtrain.train import long_context
+from conftest import EVAL_PATHS
 from families import SP_CONFIG, SP_GQA, overrides
 
 SEQ, MBS, VOCAB = 64, 2, 300
@@ -181,7 +182,8 @@ def main():
     from memtrain.train.trainer import train
     run_dir = sys.argv[-1] + ".run"
     train(parse_args(["--deepspeed", "ds_configs/zero3_ckpt.json", "--run-dir", run_dir, "--overwrite",
-                      *[x for o in OVERRIDES + ["parallel.sequence=2", "data.random_tokens=true", "train.max_steps=4",
+                      *[x for o in OVERRIDES + ["parallel.sequence=2", "data.max_bytes=100000", EVAL_PATHS,
+                                                "train.eval_batches=2", "train.max_steps=4",
                                                 "train.metric_warmup_steps=1", "train.log_every=1",
                                                 ] for x in ("--set", o)]]))
 

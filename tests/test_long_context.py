@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from conftest import allocator_peak, ROOT, _env, _free_port
+from conftest import allocator_peak, ROOT, _env, _free_port, eval_loss_by_hand
 from families import SP_GQA, SP_REFUSED, overrides
 from memtrain.train import preflight
 from memtrain.model.loss import install_loss
@@ -288,6 +288,10 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
     assert "sequence parallel: 2 ranks per sequence" in proc.stdout
     from memtrain.train import checkpoint
     assert checkpoint.has_checkpoint(tmp_path / "cases.jsonl.run" / "checkpoints")  # saved under the Ulysses mpu
+    # the held-out loss under Ulysses (one data rank: 2 eval batches of 2 rows, each split over the 2 ranks) is
+    # final/'s, computed by hand
+    by_hand, positions = eval_loss_by_hand(tmp_path / "cases.jsonl.run" / "final", 64, 2 * 2)
+    assert summary["eval_tokens"] == positions and abs(summary["eval_loss"] - by_hand) < 1e-5, (summary, by_hand)
 
 
 # --------------------------------------------------------------------------- the planner's new terms

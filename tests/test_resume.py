@@ -8,25 +8,23 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import psutil
 
-from conftest import FAST, TRAIN, ROOT, _env, _free_port, assert_ok, cut_back, run_train
+from conftest import (EVAL_PATHS, FAST, TRAIN, ROOT, _env, _free_port, assert_ok, cut_back, eval_loss_by_hand,
+                      run_train)
 from memtrain.train.checkpoint import tag_for
 from memtrain.tools.tb import read_scalars
 
 STEPS = 10
-# held-out data: the standard library's json package (the default training corpus reads the top level only)
-EVAL_FILES = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("json/*.py"))
 EVAL_BATCHES = 2
 # compiled layers (train.compile): a resumed compiled run equals a straight compiled run; eager runs resume exactly in
 # tests/test_slurm.py (requeue), tests/test_multinode.py and tests/test_lora.py
 ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--set", "model.config.attention_dropout=0.2",
         "--set", "train.compile=true", "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
-        "--set", f"data.eval_paths=[{EVAL_FILES[0].parent}/*.py]", "--set", "train.eval_every=4",
+        "--set", EVAL_PATHS, "--set", "train.eval_every=4",
         "--set", f"train.eval_batches={EVAL_BATCHES}"]
 
 
@@ -107,25 +105,11 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
 
 
 def _eval_loss_is_the_token_mean_of_final(run_dir: Path) -> None:
-    """summary.json's eval loss, computed by hand: the eval files packed as documents + EOS into rows of 64 byte
-    tokens, the first EVAL_BATCHES x 2 ranks x micro-batch 4 rows, their next-token cross-entropy from final/'s
-    logits, averaged over every labelled position."""
-    import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    texts = [f.read_text() for f in EVAL_FILES]
-    stream = np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8).astype(np.int64), 256)
-                             for t in texts if t.strip()])
-    rows = torch.from_numpy(stream[: len(stream) // 64 * 64].reshape(-1, 64)[: EVAL_BATCHES * 2 * 4])
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "final").eval()
-    with torch.no_grad():
-        logits = model(rows).logits.double()
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1),
-                                               reduction="none")
+    """summary.json's eval loss, computed by hand from final/: the first EVAL_BATCHES x 2 ranks x micro-batch 4 rows."""
+    by_hand, positions = eval_loss_by_hand(run_dir / "final", 64, EVAL_BATCHES * 2 * 4)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["eval_tokens"] == losses.numel()
-    assert abs(summary["eval_loss"] - losses.mean().item()) < 1e-5, (summary["eval_loss"], losses.mean().item())
+    assert summary["eval_tokens"] == positions
+    assert abs(summary["eval_loss"] - by_hand) < 1e-5, (summary["eval_loss"], by_hand)
     assert abs(read_scalars(run_dir / "tb")["eval/loss"][-1][1] - summary["eval_loss"]) < 1e-6  # TB: float32
 
 

@@ -17,7 +17,7 @@ import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the
 import pytest
 
 from families import AUTOTP_REFUSED, FAMILIES, overrides
-from conftest import ROOT, _env, _free_port
+from conftest import ROOT, _env, _free_port, eval_loss_by_hand
 from memtrain.train import preflight
 
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"
@@ -130,6 +130,10 @@ def test_trainer_counts_each_token_once(tp):
             f"{4 * 64 * 128 * 4 * 4 // 2:,} B per rank per micro-batch instead of {4 * 64 * 128 * 4 * 4:,} B"
             in tp["stdout"])
     assert math.isfinite(m["train/loss"])
+    # the held-out loss under AutoTP (one data rank: 2 eval batches of 4 rows) is final/'s, computed by hand
+    summary = json.loads((Path(tp["trainer"]["run_dir"]) / "summary.json").read_text())
+    by_hand, positions = eval_loss_by_hand(Path(tp["trainer"]["run_dir"]) / "final", 64, 2 * 4)
+    assert summary["eval_tokens"] == positions and abs(summary["eval_loss"] - by_hand) < 1e-5, (summary, by_hand)
 
 
 def test_parallel_groups_wait_no_longer_than_the_world(tp):

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from conftest import autograd_nodes
+from conftest import EVAL_PATHS, autograd_nodes
 
 from memtrain.config.recompute_spec import resolve_recompute
 from memtrain.config.recipe import ACSection, ModelSection
@@ -282,7 +282,8 @@ def check_partition() -> None:
 
 
 def check_trainer() -> None:
-    """The real trainer with the shipped ds_configs/zero3_tp2_ckpt.json (random tokens: no corpus to pack)."""
+    """The real trainer with the shipped ds_configs/zero3_tp2_ckpt.json, a little of the default corpus and a
+    held-out eval (tests/conftest.py's EVAL_PATHS) at its end."""
     from memtrain.config.args import parse_args
     from memtrain.train.trainer import train
 
@@ -298,7 +299,8 @@ def check_trainer() -> None:
     torch.distributed.new_group = recording_new_group
     try:
         summary = train(parse_args(["--deepspeed", path, "--run-dir", run_dir, "--max-steps", "2",
-                                    "--set", "data.random_tokens=true", "--set", "data.seq_len=64",
+                                    "--set", "data.max_bytes=100000", "--set", EVAL_PATHS,
+                                    "--set", "train.eval_batches=2", "--set", "data.seq_len=64",
                                     "--set", "train.micro_batch_size=4", "--set", "train.log_every=1",
                                     "--set", "train.metric_warmup_steps=1", "--set", "train.save_interval=0",
                                     "--set", "train.collective_timeout_s=77"]))
