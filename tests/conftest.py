@@ -230,18 +230,18 @@ def small_llama():
     return build_model(section, build_config(section, vocab_size=257, seq_len=32)).train()
 
 
-def allocator_peak(model, ids) -> int:
+def allocator_peak(model, ids, **inputs) -> int:
     """Peak bytes the CPU allocator holds during one forward+backward, above what was held before:
     torch.profiler's memory events (every allocation and free, from the allocator itself), not
     memtrain's tracker. Parameter gradients are dropped as soon as they are accumulated (the
-    memory model counts them with the model states)."""
+    memory model counts them with the model states). `inputs`: more forward keywords (position_ids)."""
     from torch.profiler import ProfilerActivity, profile
 
     hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()
              if p.requires_grad]
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, **inputs).loss
             loss.backward()
             del loss
     finally:

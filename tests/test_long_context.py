@@ -316,7 +316,9 @@ def _planned_and_measured(sets, layers=2, batch=4, seq=256):
     model = mm.fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
     apply_plan(model, plan)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    return pred, allocator_peak(model, ids)
+    # chat rows: two samples per row, positions restarting at the second (memtrain.model.chat_data.pack)
+    packed = {"position_ids": torch.arange(seq // 2).repeat(2).expand(batch, -1)} if target.packed else {}
+    return pred, allocator_peak(model, ids, **packed)
 
 
 def test_planner_logits_term_standard_and_fused_match_the_allocator(fused_backend):
@@ -329,6 +331,20 @@ def test_planner_logits_term_standard_and_fused_match_the_allocator(fused_backen
     assert fused_pred.activation_peak == pytest.approx(fused_meas, rel=0.05)
     assert (std_pred.activation_peak - fused_pred.activation_peak) == pytest.approx(std_meas - fused_meas, rel=0.05)
     assert std_pred.logits_and_loss > 8 * fused_pred.logits_and_loss
+
+
+def test_planner_counts_the_mask_of_packed_rows():
+    """Chat rows pack samples with restarting positions, and sdpa gets a (micro-batch, 1, S, S) mask keeping them
+    apart: at micro-batch 2 and seq 4,096 the mask is 32 MiB, and each layer's attention keeps a float copy for its
+    backward. The predicted activation peak of packed rows, and its growth over text rows, against the CPU
+    allocator (5%); the plan line names the mask's bytes and the remedy."""
+    long = ["model.config.max_position_embeddings=4096", "model.config.num_attention_heads=2",
+            "model.config.num_key_value_heads=2", "model.config.hidden_size=32", "model.config.intermediate_size=64"]
+    text_pred, text_meas = _planned_and_measured(long, batch=2, seq=4096)
+    chat_pred, chat_meas = _planned_and_measured([*long, "data.format=chat"], batch=2, seq=4096)
+    assert chat_pred.activation_peak == pytest.approx(chat_meas, rel=0.05)
+    assert chat_pred.activation_peak - text_pred.activation_peak == pytest.approx(chat_meas - text_meas, rel=0.05)
+    assert chat_meas - text_meas >= 32 * 2**20  # the mask itself, at least
 
 
 def test_planner_tiled_mlp_working_set_matches_the_allocator():

@@ -218,17 +218,20 @@ def _fake_device(target: Target) -> str:
 
 
 @contextmanager
-def _no_packed_sequences():
+def _packing(packed: bool):
     """Decide transformers' one data-dependent mask question as the real step does.
 
-    memtrain passes no attention mask and positions 0..S-1 in every row, so transformers finds no
-    packed sequences and lets SDPA apply causality itself. Fake tensors hold no values, so it would
-    assume packing and build a (batch, 1, S, S) mask the real step never has.
+    Text rows have positions 0..S-1 in every row, so transformers finds no packed sequences and lets SDPA apply
+    causality itself. Packed rows (data.format chat/instruction) restart their positions per sample, so sdpa and
+    eager attention get a (micro-batch, 1, S, S) mask that keeps the samples apart (flash attention takes the
+    positions instead and builds none). Fake tensors hold no values: the answer comes from the recipe's data
+    here, and the mask, with what each layer's attention keeps of it, is measured like everything else.
     """
     from transformers import masking_utils
 
     original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    masking_utils.find_packed_sequence_indices = (lambda position_ids: torch.zeros_like(position_ids)) if packed \
+        else (lambda position_ids: None)
     try:
         yield
     finally:
@@ -266,7 +269,7 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
 
             from memtrain.model.attention import plain
 
-            with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences(), plain():
+            with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
                 run = _run(fake_model(config, 1, target), (mode,), target)
             _MODE_COSTS[mkey] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
                                  run["largest_block"])
@@ -316,7 +319,7 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> Activati
     from memtrain.model.build import decoder_layers
 
     runs: dict[str, dict] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), _no_packed_sequences(), plain():
+    with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
         model = fake_model(config, 1, target)
         num_params, largest, param_sizes = _param_shapes(model, config.num_hidden_layers)
         layer = decoder_layers(model)[1][0]  # sublayer modes only where the layer has the sublayer (not OPT's MLP)

@@ -28,6 +28,7 @@ class Target:
     trainable_params: int = 0  # train.trainable / train.frozen: elements that train (0: every parameter) ...
     all_params: int = 0  # ... of this many (memtrain.model.freeze); gradients and optimizer states scale by the ratio
     lora: Optional[LoraSection] = None  # model.lora: the measured layers carry the adapters (memtrain.model.lora)
+    packed: bool = False  # rows pack whole samples, positions restarting (data.format chat/instruction)
 
     def trained(self, n: int) -> int:
         """Of `n` parameter elements (the whole model, or one TP rank's shards), those that train."""
@@ -84,7 +85,14 @@ def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] 
                   loss=recipe.train.loss if tp <= 1 else "standard",  # AutoTP: memtrain.train.long_context
                   tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
                   partition=spec.partition_activations, trainable_params=trainable, all_params=total,
-                  lora=recipe.model.lora)
+                  lora=recipe.model.lora, packed=builds_packed_mask(recipe))
+
+
+def builds_packed_mask(recipe) -> bool:
+    """Whether a step builds a (micro-batch, 1, S, S) attention mask: rows pack whole samples (data.format chat or
+    instruction) and the attention is sdpa or eager; flash attention takes the restarting positions instead."""
+    impl = str(recipe.model.config.get("attn_implementation") or "sdpa")
+    return recipe.data.format != "text" and not impl.startswith("flash")
 
 
 def _trainable(recipe) -> tuple[int, int]:

@@ -68,7 +68,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
     rates = measure_rates(target.dtype)
     choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
     report = {
-        "recipe": recipe.name, "model_type": config.model_type, "num_layers": profile.num_layers,
+        "recipe": recipe.name, "data_format": recipe.data.format, "model_type": config.model_type, "num_layers": profile.num_layers,
         "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": target.to_dict(),
         "zero_stage": zero_stage(ds_config), "rates": rates.to_dict(),
         "rates_note": ("measured on this machine's GPU" if rates.device == target.device == "cuda" else
@@ -78,6 +78,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
         "policies": {}, "budget": budget,
         "allocator_margin_note": "measured as 0 on an H100 (memory.predict.ALLOCATOR_MARGIN)",
         "experts": experts_line(config, target.dtype),
+        "packed_mask": target.micro_batch_size * target.seq_len ** 2 if target.packed else None,  # bool elements
         # held-out eval (data.eval_paths): one no-grad forward per eval micro-batch
         "eval_peak": eval_peak(profile, states) if has_eval_data(recipe.data) else None,
         "compile": (None if recipe.train.compile is False else
@@ -184,6 +185,10 @@ def format_report(r: dict) -> str:
         "activations measured on fake tensors, one decoder layer per mode, scaled by the layer count; "
         f"rates {r['rates_note']}",
         *([r["experts"]] if r.get("experts") else []),
+        *([f"packed rows (data.format {r['data_format']}): sdpa/eager attention keeps samples apart with a "
+           f"(micro-batch, 1, S, S) mask of {r['packed_mask'] / GIB:.3f} GiB, and each layer's attention keeps its own "
+           "copy for backward (measured: in base and saved/layer); model.config.attn_implementation="
+           "flash_attention_2 (GPU) builds none"] if r.get("packed_mask") else []),
         *([r["compile"]] if r.get("compile") else []),
         "",
         f"model states per device: {g(ms['total'])} GiB = parameters {g(ms['params'])} + gradients {g(ms['grads'])}"
