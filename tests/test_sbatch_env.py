@@ -117,6 +117,30 @@ def test_train_sbatch_starts_one_rank_per_gres_gpu(tmp_path):
     assert "--nproc-per-node=4" in srun and "1 agent(s) x 4 rank(s)" in proc.stdout
 
 
+def test_train_sbatch_binds_each_agent_to_its_own_gpus(tmp_path):
+    """Two agents sharing a node of 4 GPUs: srun starts each with its SLURM_LOCALID, and the command it runs gives
+    each agent's torchrun its own two GPUs (slurm/gpus_per_node.sh agent_gpus through the sbatch's export line)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    seen = tmp_path / "bound"
+    (stubs / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    # srun: run the step's command (after srun's own --options) once per agent, as Slurm would on the node
+    # (the stubs first on PATH again: the sbatch puts the project's venv, with the real torchrun, before them)
+    (stubs / "srun").write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+                                f"for id in 0 1; do PATH={stubs}:$PATH SLURM_LOCALID=$id \"$@\"; done\n")
+    (stubs / "torchrun").write_text(f'#!/bin/sh\necho "$SLURM_LOCALID=$CUDA_VISIBLE_DEVICES" >> "{seen}"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_ON_NODE": "4", "SLURM_GPUS_ON_NODE": "4",
+           "CUDA_VISIBLE_DEVICES": "0,1,2,3", "RUN_DIR": str(tmp_path / "run"),
+           "PATH": f"{stubs}:{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(SBATCH), "tiny", "ds_configs/zero3_ckpt.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert "2 agent(s) x 2 rank(s)" in proc.stdout, proc.stdout + proc.stderr
+    assert seen.read_text().splitlines() == ["0=0,1", "1=2,3"]
+
+
 def test_train_sbatch_stops_when_the_gpu_count_is_unknown(tmp_path):
     proc, srun = _sbatch(tmp_path, SLURM_GPUS_PER_NODE="h100:many")
     assert proc.returncode == 2 and srun is None
