@@ -83,7 +83,7 @@ slurm-submit: setup
 	  $(if $(TIME),--time=$(TIME)) $(if $(PARTITION),--partition=$(PARTITION)) $(if $(ACCOUNT),--account=$(ACCOUNT)) \
 	  slurm/train.sbatch $(or $(RECIPE),tiny) $(or $(DS),ds_configs/zero3_ckpt.json) $(ARGS)
 
-## test-slurm: the Slurm tests alone (slurm/local/up.sh installs and starts a local Slurm); also part of `make test`
+## test-slurm: the Slurm tests alone (slurm/local/up.sh installs and starts a local Slurm); also in `make test-multinode`
 test-slurm: setup
 	$(BIN)/python -m pytest -q tests/test_slurm.py $(PYTEST_ARGS)
 
