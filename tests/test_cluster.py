@@ -291,3 +291,51 @@ def test_gloo_gets_its_descriptors_and_an_address_other_nodes_reach():
     check_reachable(8, 8, "n1", "127.0.1.1", "10.0.0.1", env={})  # one node: loopback is fine
     check_reachable(16, 8, "n1", "127.0.1.1", "127.0.0.1", env={})  # agents of one host meeting on loopback
     check_reachable(16, 8, "n1", "10.0.0.7", "10.0.0.1", env={})
+
+
+def test_a_frozen_rank_ends_the_others_within_the_collective_timeout(tmp_path):
+    """A rank that stops answering without closing its sockets (SIGSTOP: a hung node, a GPU stuck in a kernel) is
+    what only the collective timeout tells apart from a slow one: the other rank leaves its all-reduce after
+    train.collective_timeout_s (15 s here) and the run ends, instead of waiting for DeepSpeed's or torch's default
+    (10 to 30 minutes). A killed rank closes its sockets and is noticed at once, so it cannot test this."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    from conftest import TRAIN, _env, _free_port
+    from test_resume import _workers
+
+    timeout_s = 15
+    run = tmp_path / "run"
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(_free_port()),
+           str(TRAIN), *FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--max-steps", "100000",
+           "--set", "data.random_tokens=true", "--set", "train.save_interval=2",
+           "--set", f"train.collective_timeout_s={timeout_s}", "--run-dir", str(run)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    frozen = None
+    try:
+        deadline = time.time() + 600
+        while not (run / "checkpoints" / "latest").exists():  # the ranks are training in step
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+            time.sleep(0.1)
+        workers = _workers(proc)
+        frozen, survivor = workers[1], workers[0]
+        frozen.send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        gone, _ = psutil.wait_procs([survivor], timeout=timeout_s + 90)
+        ended = time.time() - stopped
+        assert gone, f"rank 0 still runs {ended:.0f} s after rank 1 froze (collective timeout {timeout_s} s)"
+        assert ended >= timeout_s - 1, ended  # it waited for the timeout: a frozen rank is not a dead one
+    finally:
+        if frozen is not None and frozen.is_running():
+            frozen.kill()
+        if proc.poll() is None:
+            import os
+            os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0, out[-3000:]
