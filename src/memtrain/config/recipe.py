@@ -62,6 +62,14 @@ class LoraSection(_Strict):
     target_modules: Union[Literal["all-linear"], tuple[str, ...]] = "all-linear"
     """Module names (or suffixes, peft's matching) that get adapters, e.g. [q_proj, v_proj]; all-linear: every
     linear layer but the output head."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA (peft's use_rslora): the update is scaled by alpha / sqrt(r) instead of alpha / r."""
+    use_dora: bool = False
+    """DoRA (peft's use_dora): each adapted weight's magnitude trains apart from its direction."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules that train whole beside the adapters and are saved in final/adapter (peft's modules_to_save), e.g.
+    [lm_head]: a module's path or its last parts, as peft matches them. Parameters that train.trainable adds go there
+    too."""
 
 
 class ModelSection(_Strict):
@@ -100,6 +108,8 @@ class DataSection(_Strict):
     messages_key: str = "messages"
     prompt_key: str = "prompt"
     response_key: str = "response"
+    chat_template: Optional[str] = None
+    """A Jinja file that replaces the tokenizer's chat template; saved into final/ with the tokenizer."""
     random_tokens: bool = False
     """Train on seeded random token ids over the model's vocabulary instead of files (benchmarks:
     throughput and memory do not depend on what the tokens say). No file is read."""

@@ -28,14 +28,44 @@ from memtrain.model import order
 IGNORE = -100
 
 
+def template_text(cfg: DataSection) -> str:
+    """data.chat_template's Jinja text; UserError (one line) for a file that cannot be read."""
+    path = Path(cfg.chat_template)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"data.chat_template: cannot read '{path}' ({getattr(e, 'strerror', None) or e}); expected a "
+                        "Jinja chat template file") from None
+
+
 def check_template(tokenizer, cfg: DataSection) -> None:
-    """One line when the format needs a chat template the tokenizer lacks."""
+    """One line when the format needs a chat template the tokenizer lacks; data.chat_template replaces the
+    tokenizer's own (so the data cache's key, which reads the template, follows it)."""
+    if cfg.chat_template and tokenizer.hf is not None:
+        tokenizer.hf.chat_template = template_text(cfg)
     template = getattr(tokenizer.hf, "chat_template", None)
     if not template:
         what = "memtrain's byte tokenizer" if cfg.tokenizer in ("byte", None) else f"the tokenizer in {cfg.tokenizer}"
         raise UserError(f"data.format: '{cfg.format}' renders samples with the tokenizer's chat template, and "
                         f"{what} has none; set data.tokenizer to a local tokenizer directory whose "
                         "tokenizer_config.json has a chat_template")
+
+
+def end_of_turn_id(tok):
+    """The special token the chat template closes an assistant turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>,
+    Gemma's <end_of_turn>): the first special token it renders after the assistant's words; None when it renders
+    none, or cannot render a user and an assistant turn."""
+    mark = "memtrain-end-of-turn-probe"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}],
+                                       tokenize=False)
+    except Exception:  # a template's own error (jinja's TemplateError, or what its raise_exception raises)
+        return None
+    if mark not in text:
+        return None
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    tail = tok(text[text.rindex(mark) + len(mark):], add_special_tokens=False)["input_ids"]
+    return next((i for i in tail if i in special), None)
 
 
 def _messages(row: dict, cfg: DataSection):
