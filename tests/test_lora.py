@@ -193,3 +193,37 @@ def test_dora_under_zero3_and_a_trainable_adapted_weight_are_one_line_before_any
                                         r"base_layer.weight trains beside the LoRA adapters but sits in "):
         preflight.check_run(parse_args([*zero3, "--set", "model.lora.target_modules=[q_proj]", "--set",
                                         "train.trainable=[model.layers.0.self_attn.q_proj.base_layer.weight]"]), 2)
+
+
+def test_a_trained_tied_lm_head_goes_into_the_adapter_with_the_embedding(tmp_path):
+    """Tied embeddings: lm_head.weight names the embedding too, so the adapter keeps both modules; the state that
+    ZeRO-3's consolidation gives names the tensor once. Base + adapter equals the trained model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from memtrain.model.freeze import freeze, saved_with_adapters
+    from memtrain.model.lora import save_merged, trainable_patterns
+
+    section = ModelSection(type="llama", config={**LLAMA, "num_hidden_layers": 1, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    build_model(section, build_config(section, vocab_size=100, seq_len=32)).save_pretrained(tmp_path / "base")
+    pretrained = ModelSection(type="llama", pretrained=str(tmp_path / "base"), config={})
+    lora = load_recipe(None, ["model.lora.target_modules=[q_proj]", "model.lora.r=2"]).model.lora
+
+    def factory():
+        return build_model(pretrained, build_config(pretrained, vocab_size=100, seq_len=32))
+
+    trained = factory()
+    add_lora(trained, lora)
+    freeze(trained, trainable_patterns(trained, lora, ["lm_head.weight"]))
+    with torch.no_grad():  # stands for training: every trainable tensor moves
+        for p in trained.parameters():
+            p.add_(0.1 * torch.randn_like(p)) if p.requires_grad else None
+    state = {k: v for k, v in trained.state_dict().items() if k != "lm_head.weight"}
+    save_merged(factory, lora, state, tmp_path / "final", saved_with_adapters(trained, lora, ["lm_head.weight"]))
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                            tmp_path / "final" / "adapter")(input_ids=ids).logits
+    assert (adapted - want).abs().max().item() < 1e-4

@@ -84,4 +84,6 @@ def saved_with_adapters(model: nn.Module, lora, trainable: Iterable[str] = (), f
     """The modules final/adapter keeps whole beside the adapters (peft's modules_to_save): those holding a parameter
     that trains and is no adapter, on the adapted `model` (meta, partitioned or whole). UserError (one line) for a
     parameter peft cannot keep there."""
-    return saved_modules(model, trainable_names(model, trainable_patterns(model, lora, trainable), frozen))
+    trained = trainable_names(model, trainable_patterns(model, lora, trainable), frozen)
+    # a tied parameter under each of its names: the adapter keeps every module that holds it (lm_head and the embedding)
+    return saved_modules(model, {n for group in _names(model).values() if group[0] in trained for n in group})

@@ -112,7 +112,11 @@ def _wrapped_state(peft_model, state: dict) -> dict:
     (what the adapter saves) and the original it wraps."""
     from peft.utils.other import ModulesToSaveWrapper
 
-    wrapped = [path for path, m in peft_model.base_model.model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
+    model = peft_model.base_model.model
+    tied = getattr(model, "_tied_weights_keys", None)
+    if isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", False):  # a state that names one copy
+        state = {**{target: state[source] for target, source in tied.items() if source in state}, **state}
+    wrapped = [path for path, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
     out = {}
     for key, value in state.items():
         path = next((p for p in wrapped if key.startswith(p + ".")), None)
