@@ -1,19 +1,20 @@
-"""Chat and instruction data: rendered by the tokenizer's chat template, loss on the assistant's tokens only, packed whole.
+"""Chat and instruction data: rendered by the chat template, loss on the assistant's tokens only, packed whole.
 
-`data.format: chat` reads JSONL rows whose `data.messages_key` column holds a list of `{role, content}`
-messages; `instruction` reads `data.prompt_key` / `data.response_key` columns as one user and one
-assistant turn. Each sample is rendered with the local tokenizer's own chat template; its labels are
--100 everywhere but on the tokens each assistant turn adds (found by rendering the conversation up to
-the turn with the generation prompt, and with the turn: the difference is the assistant's). Samples are
-packed whole, first fit in file order, into rows of `data.seq_len`; position ids restart at 0 for each
-sample, so transformers' attention keeps samples apart (it reads packed sequences from the positions),
-and a row's unused tail is padding with label -100. A sample that cannot be used (no assistant turn,
-malformed messages, a template that does not render the conversation as a prefix of its continuation,
-longer than a row) is counted by reason and reported in one line, never dropped silently.
+Rows become messages (and tools) in memtrain.model.chat_rows. Each sample is rendered with the tokenizer's chat
+template (`data.chat_template` replaces it); its labels are -100 everywhere but on the assistant's tokens. Where
+the template marks them ({% generation %}), transformers' `return_assistant_tokens_mask` gives them; else each
+assistant turn's tokens are the difference between the conversation rendered up to the turn with the generation
+prompt and with the turn. Samples are packed whole, first fit in file order, into rows of `data.seq_len`; position
+ids restart at 0 for each sample, so transformers' attention keeps samples apart (it reads packed sequences from
+the positions), and a row's unused tail is padding with label -100. A sample that cannot be used (no assistant
+turn, malformed messages, a template that raises or does not render the conversation as a prefix of its
+continuation, longer than a row without `data.truncate`) is counted by reason and reported in one line, never
+dropped silently; `data.truncate` keeps an over-long sample's first `data.seq_len` tokens and counts it.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +25,10 @@ import torch
 from memtrain.config.recipe import DataSection
 from memtrain.errors import UserError
 from memtrain.model import order
+from memtrain.model.chat_rows import row_messages
 
 IGNORE = -100
+GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 def template_text(cfg: DataSection) -> str:
@@ -68,37 +71,62 @@ def end_of_turn_id(tok):
     return next((i for i in tail if i in special), None)
 
 
-def _messages(row: dict, cfg: DataSection):
-    if cfg.format == "instruction":
-        prompt, response = row.get(cfg.prompt_key), row.get(cfg.response_key)
-        if not isinstance(prompt, str) or not isinstance(response, str) or not response:
-            return None, "no prompt or response"
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], None
-    messages = row.get(cfg.messages_key)
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 and isinstance(m.get("content"), str) for m in messages):
-        return None, "malformed messages"
-    if not any(m["role"] == "assistant" for m in messages):
-        return None, "no assistant turn"
-    return [{"role": m["role"], "content": m["content"]} for m in messages], None
+class TemplateFailure(Exception):
+    """The chat template raised on a sample; the message is the first line of its error."""
 
 
-def encode_sample(tok, messages: list[dict]):
-    """(token ids, mask of the tokens an assistant turn adds), or None when the template does not render each
-    assistant turn as an extension of the conversation before it."""
-    def render(msgs, prompt=False):
-        return list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=prompt)["input_ids"])
+def has_generation_marks(template) -> bool:
+    """Whether the template marks what the assistant generates ({% generation %}), so that transformers' own
+    `return_assistant_tokens_mask` gives the labels."""
+    return bool(template) and GENERATION_MARK.search(template) is not None
 
-    ids = render(messages)
+
+def _render(tok, messages: list[dict], tools, prompt: bool = False, masks: bool = False) -> dict:
+    try:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=prompt,
+                                       return_dict=True, return_assistant_tokens_mask=masks)
+    except Exception as e:  # the template's own error (jinja's, or what its raise_exception raises): the row's
+        lines = str(e).strip().splitlines()
+        raise TemplateFailure(lines[0] if lines else type(e).__name__) from None
+
+
+def encode_sample(tok, messages: list[dict], tools=None):
+    """(token ids, mask of the assistant's tokens), or None when the template (without generation marks) does not
+    render each assistant turn as an extension of the conversation before it. TemplateFailure when it raises."""
+    if has_generation_marks(tok.chat_template):
+        out = _render(tok, messages, tools, masks=True)
+        return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=bool)
+    ids = list(_render(tok, messages, tools)["input_ids"])
     mask = np.zeros(len(ids), dtype=bool)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, upto = render(messages[:i], prompt=True), render(messages[:i + 1])
+        before = list(_render(tok, messages[:i], tools, prompt=True)["input_ids"])
+        upto = list(_render(tok, messages[:i + 1], tools)["input_ids"])
         if upto[:len(before)] != before or ids[:len(upto)] != upto:
             return None
         mask[len(before):len(upto)] = True
     return np.asarray(ids, dtype=np.int64), mask
+
+
+def _encoded(tok, row: dict, cfg: DataSection):
+    """(sample, None, truncated?) or (None, why skipped, False) for one row."""
+    messages, tools, why = row_messages(row, cfg)
+    if messages is None:
+        return None, why, False
+    try:
+        encoded = encode_sample(tok, messages, tools)
+    except TemplateFailure as e:
+        return None, f"template error: {e}", False
+    if encoded is None:
+        return None, "template not prefix-stable", False
+    truncated = len(encoded[0]) > cfg.seq_len
+    if truncated and not cfg.truncate:
+        return None, "longer than data.seq_len", False
+    ids, mask = encoded[0][:cfg.seq_len], encoded[1][:cfg.seq_len]
+    if not mask.any():
+        return None, "no assistant token" + (" within data.seq_len" if truncated else " in the rendering"), False
+    return (ids, mask), None, truncated
 
 
 def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int):
@@ -132,25 +160,21 @@ def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int
 def build(texts_rows: list[dict], tokenizer, cfg: DataSection) -> tuple[tuple[np.ndarray, ...], dict]:
     """Packed arrays and the report of what was used and skipped."""
     tok = tokenizer.hf
-    samples, skipped = [], Counter()
+    samples, skipped, truncated = [], Counter(), 0
     for row in texts_rows:
-        messages, why = _messages(row, cfg)
-        encoded = None if messages is None else encode_sample(tok, messages)
-        if messages is not None and encoded is None:
-            why = "template not prefix-stable"
-        elif encoded is not None and len(encoded[0]) > cfg.seq_len:
-            why, encoded = "longer than data.seq_len", None
-        if encoded is None:
+        sample, why, cut = _encoded(tok, row, cfg)
+        if sample is None:
             skipped[why] += 1
         else:
-            samples.append(encoded)
+            samples.append(sample)
+            truncated += cut
     if not samples:
         raise UserError(f"data.paths: no usable {cfg.format} sample in {len(texts_rows)} row(s) "
                         f"({_skipped_text(skipped)})")
     arrays = pack(samples, cfg.seq_len, tokenizer.eos_token_id)
     real = int(sum(len(x) for x, _ in samples))
     report = {"samples": len(samples), "rows": len(arrays[0]), "real_tokens": real,
-              "trained_tokens": int(sum(m.sum() for _, m in samples)), "skipped": dict(skipped)}
+              "trained_tokens": int(sum(m.sum() for _, m in samples)), "skipped": dict(skipped), "truncated": truncated}
     return arrays, report
 
 
@@ -165,7 +189,8 @@ def report_line(report: dict, cfg: DataSection) -> str:
     return (f"data: {cfg.format}, {report['samples']:,} samples in {report['rows']:,} rows of {cfg.seq_len:,} tokens "
             f"({100 * report['real_tokens'] / total:.0f}% real, {100 * report['trained_tokens'] / total:.0f}% "
             f"trained on); skipped {skipped:,} of {report['samples'] + skipped:,}"
-            + (f": {_skipped_text(report['skipped'])}" if skipped else ""))
+            + (f": {_skipped_text(report['skipped'])}" if skipped else "")
+            + (f"; truncated {report['truncated']:,} to data.seq_len" if report.get("truncated") else ""))
 
 
 @dataclass
