@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from chatml import chatml_tokenizer
 from conftest import FAST, ROOT, assert_ok, cut_back, run_train
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.errors import UserError
@@ -22,15 +23,28 @@ LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
          "num_key_value_heads": 2, "max_position_embeddings": 128}
 
 
+def _chat_rows(n=48):
+    return [{"messages": [{"role": "user", "content": f"question {i} " + "why " * (i % 4)},
+                          {"role": "assistant", "content": f"answer {i % 7} so brief"}]} for i in range(n)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """LoRA with a trainable lm_head (train.trainable, the docs' example) on ChatML chat rows."""
+    from transformers import AutoTokenizer
+
     tmp = tmp_path_factory.mktemp("lora")
+    tok = chatml_tokenizer(tmp / "tok")
+    vocab = len(AutoTokenizer.from_pretrained(tok))
     section = ModelSection(type="llama", config=LLAMA)
     torch.manual_seed(0)
-    base = build_model(section, build_config(section, vocab_size=257, seq_len=64))
+    base = build_model(section, build_config(section, vocab_size=vocab, seq_len=64))
     base.save_pretrained(tmp / "base")
+    (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _chat_rows()))
     args = [*FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--set", f"model.pretrained={tmp / 'base'}", "--set", "model.config={}",
             "--set", "model.lora.r=4", "--set", "model.lora.target_modules=[q_proj,v_proj,down_proj]",
+            "--set", "train.trainable=[lm_head.weight]", "--set", f"data.paths=[{tmp / 'chat.jsonl'}]",
+            "--set", "data.format=chat", "--set", f"data.tokenizer={tok}", "--set", f"data.cache_dir={tmp / 'cache'}",
             "--set", "train.save_interval=2", "--set", "train.lr=1e-2"]
     straight = tmp / "straight"
     first = run_train([*args, "--max-steps", "6", "--run-dir", str(straight)], nproc=2)
@@ -38,21 +52,23 @@ def runs(tmp_path_factory):
     stopped = cut_back(straight, tmp / "stopped", 4)
     resumed = run_train([*args, "--max-steps", "6", "--run-dir", str(stopped), "--resume"], nproc=2)
     assert_ok(resumed)
-    return tmp, first
+    return tmp, first, vocab
 
 
 def test_final_holds_the_merged_model_and_the_adapter_that_reproduces_it(runs):
+    """The adapter keeps the trained lm_head (peft's modules_to_save): base + adapter gives final/'s logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    tmp, first = runs
+    tmp, first, vocab = runs
     assert "trainable parameters: " in first.stdout and "LoRA r=4 alpha=16 on q_proj, v_proj, down_proj" in first.stdout
     final = tmp / "straight" / "final"
     merged = AutoModelForCausalLM.from_pretrained(final).eval()
     assert not any("lora" in n for n, _ in merged.named_parameters())  # a plain transformers model
     base = AutoModelForCausalLM.from_pretrained(tmp / "base").eval()
+    assert (merged.lm_head.weight - base.lm_head.weight).abs().max().item() > 1e-3  # lm_head trained
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp / "base"), final / "adapter").eval()
-    ids = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want, got, untouched = (m(input_ids=ids).logits for m in (merged, adapted, base))
     assert (got - want).abs().max().item() < 1e-4
@@ -64,11 +80,53 @@ def test_final_holds_the_merged_model_and_the_adapter_that_reproduces_it(runs):
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     with torch.no_grad():
         exported = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
-    assert (exported - want).abs().max().item() < 1e-4
+        from_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp / "base"),
+                                                 out / "adapter").eval()(input_ids=ids).logits
+    assert (exported - want).abs().max().item() < 1e-4 and (from_adapter - want).abs().max().item() < 1e-4
+    for name in ("generation_config.json", "tokenizer_config.json"):  # served the same as final/
+        assert json.loads((out / name).read_text()) == json.loads((final / name).read_text())
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+
+
+def test_final_generates_with_the_kv_cache_and_stops_at_the_end_of_turn(runs):
+    """generate() on final/: after the prompt, each step feeds the decoder one new token (the KV cache is on), and
+    generation stops at ChatML's <|im_end|> (here forced at the third new token), not only at <|endoftext|>."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    tmp, _, _ = runs
+    for final in (tmp / "straight" / "final",):
+        tok = AutoTokenizer.from_pretrained(final)
+        model = AutoModelForCausalLM.from_pretrained(final).eval()
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        lengths = []
+        forward = model.model.forward
+
+        def spy(*a, **k):
+            x = k.get("input_ids") if k.get("input_ids") is not None else k.get("inputs_embeds")
+            lengths.append(x.shape[1])
+            return forward(*a, **k)
+
+        model.model.forward = spy
+
+        class EndAtThird(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                if len(lengths) == 3:
+                    scores[:] = -float("inf")
+                    scores[:, im_end] = 0
+                return scores
+
+        prompt = tok.apply_chat_template([{"role": "user", "content": "why"}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+        n = prompt["input_ids"].shape[1]
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=10, do_sample=False,
+                                 logits_processor=LogitsProcessorList([EndAtThird()]))
+        assert lengths[0] == n and lengths[1:] == [1] * (len(lengths) - 1), lengths
+        assert out.shape[1] == n + 3 and out[0, -1].item() == im_end
 
 
 def test_a_stopped_lora_run_resumes_to_the_straight_runs_losses(runs):
-    tmp, _ = runs
+    tmp, _, _ = runs
     ref = dict(read_scalars(tmp / "straight" / "tb")["train/loss"])
     got = dict(read_scalars(tmp / "stopped" / "tb")["train/loss"])
     assert json.loads((tmp / "stopped" / "summary.json").read_text())["status"] == "completed"
@@ -95,3 +153,77 @@ def test_planner_lora_run_keeps_states_for_the_adapters_only():
     full_states, lora_states = mm.model_states(full_profile, ds, full_t), mm.model_states(lora_profile, ds, lora_t)
     assert lora_profile.num_params - full_profile.num_params == lora_t.trainable_params  # the adapters' weights
     assert lora_states.optimizer < 0.02 * full_states.optimizer and lora_states.grads < 0.02 * full_states.grads
+
+
+def test_what_trains_beside_the_adapters_goes_into_the_adapter_or_is_one_line():
+    """model.lora.modules_to_save trains those modules whole and final/adapter keeps them with what train.trainable
+    adds; a parameter inside an adapted layer cannot go there (one line); rsLoRA and DoRA reach peft."""
+    from memtrain.model.freeze import saved_with_adapters, trainable_names
+    from memtrain.model.lora import lora_config, trainable_patterns
+
+    section = ModelSection(type="llama", config=LLAMA)
+    recipe = load_recipe(None, ["model.lora.target_modules=[q_proj]", "model.lora.modules_to_save=[input_layernorm]",
+                                "model.lora.use_rslora=true", "model.lora.use_dora=true"])
+    lora = recipe.model.lora
+    model = build_model(section, build_config(section, vocab_size=257, seq_len=64))
+    add_lora(model, lora)
+    trained = trainable_names(model, trainable_patterns(model, lora, ["lm_head.weight"]), [])
+    assert {n for n in trained if "lora_" not in n} == {"lm_head.weight", "model.layers.0.input_layernorm.weight",
+                                                       "model.layers.1.input_layernorm.weight"}
+    assert saved_with_adapters(model, lora, ["lm_head.weight"]) == (
+        "lm_head", "model.layers.0.input_layernorm", "model.layers.1.input_layernorm")
+    with pytest.raises(UserError, match=r"^train.trainable: model.layers.0.self_attn.q_proj.base_layer.weight trains "
+                                        r"beside the LoRA adapters but sits in model.layers.0.self_attn.q_proj, a layer "
+                                        r"LoRA adapts"):
+        saved_with_adapters(model, lora, ["model.layers.0.self_attn.q_proj.base_layer.weight"])
+    with pytest.raises(UserError, match=r"^model.lora.modules_to_save: 'nowhere' names no module"):
+        trainable_patterns(model, load_recipe(None, ["model.lora.modules_to_save=[nowhere]"]).model.lora, [])
+    config = lora_config(lora, ("lm_head",))
+    assert config.use_rslora and config.use_dora and list(config.modules_to_save) == ["lm_head"]
+
+
+def test_dora_under_zero3_and_a_trainable_adapted_weight_are_one_line_before_any_worker():
+    from memtrain.config.args import parse_args
+    from memtrain.train import preflight
+
+    zero3 = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json")]
+    with pytest.raises(UserError, match=r"zero_optimization.stage: 3 cannot train the recipe's model.lora.use_dora: "):
+        preflight.check_run(parse_args([*zero3, "--set", "model.lora.use_dora=true"]), 2)
+    with pytest.raises(UserError, match=r"^embedded recipe 'tiny': train.trainable: model.layers.0.self_attn.q_proj."
+                                        r"base_layer.weight trains beside the LoRA adapters but sits in "):
+        preflight.check_run(parse_args([*zero3, "--set", "model.lora.target_modules=[q_proj]", "--set",
+                                        "train.trainable=[model.layers.0.self_attn.q_proj.base_layer.weight]"]), 2)
+
+
+def test_a_trained_tied_lm_head_goes_into_the_adapter_with_the_embedding(tmp_path):
+    """Tied embeddings: lm_head.weight names the embedding too, so the adapter keeps both modules; the state that
+    ZeRO-3's consolidation gives names the tensor once. Base + adapter equals the trained model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from memtrain.model.freeze import freeze, saved_with_adapters
+    from memtrain.model.lora import save_merged, trainable_patterns
+
+    section = ModelSection(type="llama", config={**LLAMA, "num_hidden_layers": 1, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    build_model(section, build_config(section, vocab_size=100, seq_len=32)).save_pretrained(tmp_path / "base")
+    pretrained = ModelSection(type="llama", pretrained=str(tmp_path / "base"), config={})
+    lora = load_recipe(None, ["model.lora.target_modules=[q_proj]", "model.lora.r=2"]).model.lora
+
+    def factory():
+        return build_model(pretrained, build_config(pretrained, vocab_size=100, seq_len=32))
+
+    trained = factory()
+    add_lora(trained, lora)
+    freeze(trained, trainable_patterns(trained, lora, ["lm_head.weight"]))
+    with torch.no_grad():  # stands for training: every trainable tensor moves
+        for p in trained.parameters():
+            p.add_(0.1 * torch.randn_like(p)) if p.requires_grad else None
+    state = {k: v for k, v in trained.state_dict().items() if k != "lm_head.weight"}
+    save_merged(factory, lora, state, tmp_path / "final", saved_with_adapters(trained, lora, ["lm_head.weight"]))
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                            tmp_path / "final" / "adapter")(input_ids=ids).logits
+    assert (adapted - want).abs().max().item() < 1e-4

@@ -62,6 +62,14 @@ class LoraSection(_Strict):
     target_modules: Union[Literal["all-linear"], tuple[str, ...]] = "all-linear"
     """Module names (or suffixes, peft's matching) that get adapters, e.g. [q_proj, v_proj]; all-linear: every
     linear layer but the output head."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA (peft's use_rslora): the update is scaled by alpha / sqrt(r) instead of alpha / r."""
+    use_dora: bool = False
+    """DoRA (peft's use_dora): each adapted weight's magnitude trains apart from its direction."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules that train whole beside the adapters and are saved in final/adapter (peft's modules_to_save), e.g.
+    [lm_head]: a module's path or its last parts, as peft matches them. Parameters that train.trainable adds go there
+    too."""
 
 
 class ModelSection(_Strict):
@@ -76,6 +84,19 @@ class ModelSection(_Strict):
     lora: Optional[LoraSection] = None
     """LoRA adapters instead of training every weight (memtrain.model.lora); train.trainable adds parameters
     that train beside the adapters, train.frozen takes some out."""
+
+
+class ShareGPTKeys(_Strict):
+    """ShareGPT messages ({from, value}): their keys, and which `from` names each chat role (LLaMA-Factory's)."""
+    role_key: str = "from"
+    content_key: str = "value"
+    user: str = "human"
+    assistant: str = "gpt"
+    system: str = "system"
+    function_call: str = "function_call"
+    """An assistant turn that calls a tool: its value is the call (JSON of {name, arguments}, or a list of them)."""
+    observation: str = "observation"
+    """A tool's answer (role tool)."""
 
 
 class DataSection(_Strict):
@@ -98,11 +119,27 @@ class DataSection(_Strict):
     chat and instruction render with the tokenizer's chat template, train on the assistant's tokens only, pack
     whole samples with positions restarting per sample, and report skipped rows (memtrain.model.chat_data)."""
     messages_key: str = "messages"
+    """chat: the column of messages, [{role, content}, ...] (tool_calls, name and tool_call_id kept), or ShareGPT's
+    [{from, value}, ...] (roles human, gpt, system, function_call, observation; keys: data.sharegpt)."""
     prompt_key: str = "prompt"
     response_key: str = "response"
     eval_paths: list[str] = Field(default_factory=list)
     """Held-out evaluation files or glob patterns, read like `paths` (same format, tokenizer and seq_len), never
     trained on. The eval loss is computed every train.eval_every steps and at the end (memtrain.train.evaluate)."""
+    input_key: str = "input"
+    """instruction: an optional column joined to the prompt with a newline (alpaca's input, as LLaMA-Factory does)."""
+    system_key: str = "system"
+    """chat / instruction: an optional column holding the system message, put first."""
+    tools_key: str = "tools"
+    """chat / instruction: an optional column holding the row's tools (a list, or its JSON text), passed to the chat
+    template as `tools`."""
+    sharegpt: ShareGPTKeys = Field(default_factory=ShareGPTKeys)
+    """ShareGPT rows' keys and role names."""
+    chat_template: Optional[str] = None
+    """A Jinja file that replaces the tokenizer's chat template; saved into final/ with the tokenizer."""
+    truncate: bool = False
+    """chat / instruction: a sample longer than data.seq_len keeps its first seq_len tokens (counted in the report)
+    instead of being skipped."""
     random_tokens: bool = False
     """Train on seeded random token ids over the model's vocabulary instead of files (benchmarks:
     throughput and memory do not depend on what the tokens say). No file is read."""

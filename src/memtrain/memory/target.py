@@ -103,13 +103,14 @@ def _trainable(recipe) -> tuple[int, int]:
         return 0, 0
     from memtrain.model.build import build_on_meta
     from memtrain.model.freeze import count_trainable
+    from memtrain.model.lora import trainable_patterns
 
     model = build_on_meta(recipe.model, model_and_config(recipe))
     if recipe.model.lora is not None:
         from memtrain.model.lora import add_lora
 
         add_lora(model, recipe.model.lora)
-    return count_trainable(model, t.trainable, t.frozen), sum(p.numel() for p in model.parameters())
+    return count_trainable(model, trainable_patterns(model, recipe.model.lora, t.trainable), t.frozen), sum(p.numel() for p in model.parameters())
 
 def model_and_config(recipe, seq_len: Optional[int] = None):
     """The transformers config the trainer builds for this recipe (tokenizer included)."""

@@ -1,19 +1,20 @@
-"""Chat and instruction data: rendered by the tokenizer's chat template, loss on the assistant's tokens only, packed whole.
+"""Chat and instruction data: rendered by the chat template, loss on the assistant's tokens only, packed whole.
 
-`data.format: chat` reads JSONL rows whose `data.messages_key` column holds a list of `{role, content}`
-messages; `instruction` reads `data.prompt_key` / `data.response_key` columns as one user and one
-assistant turn. Each sample is rendered with the local tokenizer's own chat template; its labels are
--100 everywhere but on the tokens each assistant turn adds (found by rendering the conversation up to
-the turn with the generation prompt, and with the turn: the difference is the assistant's). Samples are
-packed whole, first fit in file order, into rows of `data.seq_len`; position ids restart at 0 for each
-sample, so transformers' attention keeps samples apart (it reads packed sequences from the positions),
-and a row's unused tail is padding with label -100. A sample that cannot be used (no assistant turn,
-malformed messages, a template that does not render the conversation as a prefix of its continuation,
-longer than a row) is counted by reason and reported in one line, never dropped silently.
+Rows become messages (and tools) in memtrain.model.chat_rows. Each sample is rendered with the tokenizer's chat
+template (`data.chat_template` replaces it); its labels are -100 everywhere but on the assistant's tokens. Where
+the template marks them ({% generation %}), transformers' `return_assistant_tokens_mask` gives them; else each
+assistant turn's tokens are the difference between the conversation rendered up to the turn with the generation
+prompt and with the turn. Samples are packed whole, first fit in file order, into rows of `data.seq_len`; position
+ids restart at 0 for each sample, so transformers' attention keeps samples apart (it reads packed sequences from
+the positions), and a row's unused tail is padding with label -100. A sample that cannot be used (no assistant
+turn, malformed messages, a template that raises or does not render the conversation as a prefix of its
+continuation, longer than a row without `data.truncate`) is counted by reason and reported in one line, never
+dropped silently; `data.truncate` keeps an over-long sample's first `data.seq_len` tokens and counts it.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +25,27 @@ import torch
 from memtrain.config.recipe import DataSection
 from memtrain.errors import UserError
 from memtrain.model import order
+from memtrain.model.chat_rows import row_messages
 
 IGNORE = -100
+GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def template_text(cfg: DataSection) -> str:
+    """data.chat_template's Jinja text; UserError (one line) for a file that cannot be read."""
+    path = Path(cfg.chat_template)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"data.chat_template: cannot read '{path}' ({getattr(e, 'strerror', None) or e}); expected a "
+                        "Jinja chat template file") from None
 
 
 def check_template(tokenizer, cfg: DataSection) -> None:
-    """One line when the format needs a chat template the tokenizer lacks."""
+    """One line when the format needs a chat template the tokenizer lacks; data.chat_template replaces the
+    tokenizer's own (so the data cache's key, which reads the template, follows it)."""
+    if cfg.chat_template and tokenizer.hf is not None:
+        tokenizer.hf.chat_template = template_text(cfg)
     template = getattr(tokenizer.hf, "chat_template", None)
     if not template:
         what = "memtrain's byte tokenizer" if cfg.tokenizer in ("byte", None) else f"the tokenizer in {cfg.tokenizer}"
@@ -38,37 +54,79 @@ def check_template(tokenizer, cfg: DataSection) -> None:
                         "tokenizer_config.json has a chat_template")
 
 
-def _messages(row: dict, cfg: DataSection):
-    if cfg.format == "instruction":
-        prompt, response = row.get(cfg.prompt_key), row.get(cfg.response_key)
-        if not isinstance(prompt, str) or not isinstance(response, str) or not response:
-            return None, "no prompt or response"
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], None
-    messages = row.get(cfg.messages_key)
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 and isinstance(m.get("content"), str) for m in messages):
-        return None, "malformed messages"
-    if not any(m["role"] == "assistant" for m in messages):
-        return None, "no assistant turn"
-    return [{"role": m["role"], "content": m["content"]} for m in messages], None
+def end_of_turn_id(tok):
+    """The special token the chat template closes an assistant turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>,
+    Gemma's <end_of_turn>): the first special token it renders after the assistant's words; None when it renders
+    none, or cannot render a user and an assistant turn."""
+    mark = "memtrain-end-of-turn-probe"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}],
+                                       tokenize=False)
+    except Exception:  # a template's own error (jinja's TemplateError, or what its raise_exception raises)
+        return None
+    if mark not in text:
+        return None
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    tail = tok(text[text.rindex(mark) + len(mark):], add_special_tokens=False)["input_ids"]
+    return next((i for i in tail if i in special), None)
 
 
-def encode_sample(tok, messages: list[dict]):
-    """(token ids, mask of the tokens an assistant turn adds), or None when the template does not render each
-    assistant turn as an extension of the conversation before it."""
-    def render(msgs, prompt=False):
-        return list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=prompt)["input_ids"])
+class TemplateFailure(Exception):
+    """The chat template raised on a sample; the message is the first line of its error."""
 
-    ids = render(messages)
+
+def has_generation_marks(template) -> bool:
+    """Whether the template marks what the assistant generates ({% generation %}), so that transformers' own
+    `return_assistant_tokens_mask` gives the labels."""
+    return bool(template) and GENERATION_MARK.search(template) is not None
+
+
+def _render(tok, messages: list[dict], tools, prompt: bool = False, masks: bool = False) -> dict:
+    try:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=prompt,
+                                       return_dict=True, return_assistant_tokens_mask=masks)
+    except Exception as e:  # the template's own error (jinja's, or what its raise_exception raises): the row's
+        lines = str(e).strip().splitlines()
+        raise TemplateFailure(lines[0] if lines else type(e).__name__) from None
+
+
+def encode_sample(tok, messages: list[dict], tools=None):
+    """(token ids, mask of the assistant's tokens), or None when the template (without generation marks) does not
+    render each assistant turn as an extension of the conversation before it. TemplateFailure when it raises."""
+    if has_generation_marks(tok.chat_template):
+        out = _render(tok, messages, tools, masks=True)
+        return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=bool)
+    ids = list(_render(tok, messages, tools)["input_ids"])
     mask = np.zeros(len(ids), dtype=bool)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, upto = render(messages[:i], prompt=True), render(messages[:i + 1])
+        before = list(_render(tok, messages[:i], tools, prompt=True)["input_ids"])
+        upto = list(_render(tok, messages[:i + 1], tools)["input_ids"])
         if upto[:len(before)] != before or ids[:len(upto)] != upto:
             return None
         mask[len(before):len(upto)] = True
     return np.asarray(ids, dtype=np.int64), mask
+
+
+def _encoded(tok, row: dict, cfg: DataSection):
+    """(sample, None, truncated?) or (None, why skipped, False) for one row."""
+    messages, tools, why = row_messages(row, cfg)
+    if messages is None:
+        return None, why, False
+    try:
+        encoded = encode_sample(tok, messages, tools)
+    except TemplateFailure as e:
+        return None, f"template error: {e}", False
+    if encoded is None:
+        return None, "template not prefix-stable", False
+    truncated = len(encoded[0]) > cfg.seq_len
+    if truncated and not cfg.truncate:
+        return None, "longer than data.seq_len", False
+    ids, mask = encoded[0][:cfg.seq_len], encoded[1][:cfg.seq_len]
+    if not mask.any():
+        return None, "no assistant token" + (" within data.seq_len" if truncated else " in the rendering"), False
+    return (ids, mask), None, truncated
 
 
 def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int):
@@ -102,25 +160,21 @@ def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int
 def build(texts_rows: list[dict], tokenizer, cfg: DataSection) -> tuple[tuple[np.ndarray, ...], dict]:
     """Packed arrays and the report of what was used and skipped."""
     tok = tokenizer.hf
-    samples, skipped = [], Counter()
+    samples, skipped, truncated = [], Counter(), 0
     for row in texts_rows:
-        messages, why = _messages(row, cfg)
-        encoded = None if messages is None else encode_sample(tok, messages)
-        if messages is not None and encoded is None:
-            why = "template not prefix-stable"
-        elif encoded is not None and len(encoded[0]) > cfg.seq_len:
-            why, encoded = "longer than data.seq_len", None
-        if encoded is None:
+        sample, why, cut = _encoded(tok, row, cfg)
+        if sample is None:
             skipped[why] += 1
         else:
-            samples.append(encoded)
+            samples.append(sample)
+            truncated += cut
     if not samples:
         raise UserError(f"data.paths: no usable {cfg.format} sample in {len(texts_rows)} row(s) "
                         f"({_skipped_text(skipped)})")
     arrays = pack(samples, cfg.seq_len, tokenizer.eos_token_id)
     real = int(sum(len(x) for x, _ in samples))
     report = {"samples": len(samples), "rows": len(arrays[0]), "real_tokens": real,
-              "trained_tokens": int(sum(m.sum() for _, m in samples)), "skipped": dict(skipped)}
+              "trained_tokens": int(sum(m.sum() for _, m in samples)), "skipped": dict(skipped), "truncated": truncated}
     return arrays, report
 
 
@@ -135,7 +189,8 @@ def report_line(report: dict, cfg: DataSection) -> str:
     return (f"data: {cfg.format}, {report['samples']:,} samples in {report['rows']:,} rows of {cfg.seq_len:,} tokens "
             f"({100 * report['real_tokens'] / total:.0f}% real, {100 * report['trained_tokens'] / total:.0f}% "
             f"trained on); skipped {skipped:,} of {report['samples'] + skipped:,}"
-            + (f": {_skipped_text(report['skipped'])}" if skipped else ""))
+            + (f": {_skipped_text(report['skipped'])}" if skipped else "")
+            + (f"; truncated {report['truncated']:,} to data.seq_len" if report.get("truncated") else ""))
 
 
 @dataclass

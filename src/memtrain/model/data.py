@@ -137,7 +137,9 @@ def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dic
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
-    keys = [cfg.messages_key] if cfg.format == "chat" else [cfg.prompt_key, cfg.response_key]
+    from memtrain.model.chat_rows import columns
+
+    keys, optional = columns(cfg)
     rows: list[dict] = []
     for f in files:
         builder = builder_for(f)
@@ -152,7 +154,7 @@ def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dic
         if missing:
             key = {cfg.messages_key: "messages_key", cfg.prompt_key: "prompt_key"}.get(missing[0], "response_key")
             raise UserError(f"data.{key}: column '{missing[0]}' not in {f} (columns: {', '.join(ds.column_names)})")
-        rows.extend(ds.select_columns(keys).to_list())
+        rows.extend(ds.select_columns(keys + [k for k in optional if k in ds.column_names]).to_list())
     return rows
 
 
@@ -164,7 +166,8 @@ def _cache_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
     h.update(json.dumps([tokenizer.name, cfg.seq_len, cfg.max_bytes, cfg.text_key]).encode())
     if cfg.format != "text":  # the rendering depends on the template and the columns too
         template = getattr(tokenizer.hf, "chat_template", None)
-        h.update(json.dumps([cfg.format, cfg.messages_key, cfg.prompt_key, cfg.response_key, str(template)]).encode())
+        h.update(json.dumps([str(template), cfg.model_dump(mode="json", exclude={"paths", "cache_dir"})],
+                            sort_keys=True).encode())
     return h.hexdigest()[:20]
 
 

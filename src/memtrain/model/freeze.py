@@ -22,7 +22,7 @@ from typing import Iterable
 from torch import nn
 
 from memtrain.errors import UserError
-from memtrain.model.lora import is_adapter
+from memtrain.model.lora import is_adapter, saved_modules, trainable_patterns
 
 
 def _names(model: nn.Module) -> dict[int, list[str]]:
@@ -78,3 +78,12 @@ def freeze(model: nn.Module, trainable: Iterable[str] = (), frozen: Iterable[str
     if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
         model.enable_input_require_grads()
     return counts[0], counts[1]
+
+
+def saved_with_adapters(model: nn.Module, lora, trainable: Iterable[str] = (), frozen: Iterable[str] = ()) -> tuple[str, ...]:
+    """The modules final/adapter keeps whole beside the adapters (peft's modules_to_save): those holding a parameter
+    that trains and is no adapter, on the adapted `model` (meta, partitioned or whole). UserError (one line) for a
+    parameter peft cannot keep there."""
+    trained = trainable_names(model, trainable_patterns(model, lora, trainable), frozen)
+    # a tied parameter under each of its names: the adapter keeps every module that holds it (lm_head and the embedding)
+    return saved_modules(model, {n for group in _names(model).values() if group[0] in trained for n in group})

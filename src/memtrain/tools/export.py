@@ -47,10 +47,23 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     try:
-        write_model(lambda: build_model(recipe.model, config), recipe, state, out)
+        write_model(lambda: build_model(recipe.model, config), recipe, state, out, _saved_with_adapters(recipe, config))
     except ValueError as e:
         raise UserError(f"{checkpoint_dir / tag}: {e}") from None
     return out
+
+
+def _saved_with_adapters(recipe, config) -> tuple[str, ...]:
+    """With LoRA, the modules that trained whole beside the adapters (named on the meta model: nothing allocated)."""
+    if recipe.model.lora is None:
+        return ()
+    from memtrain.model.build import build_on_meta
+    from memtrain.model.freeze import saved_with_adapters
+    from memtrain.model.lora import add_lora
+
+    model = build_on_meta(recipe.model, config)
+    add_lora(model, recipe.model.lora)
+    return saved_with_adapters(model, recipe.model.lora, recipe.train.trainable, recipe.train.frozen)
 
 
 @cli_entry

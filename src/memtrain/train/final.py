@@ -6,6 +6,10 @@ ZeRO partitions and tensor-parallel shards alike, to rank 0's host memory (as `s
 accelerate do), in the engine's compute dtype. A LoRA run (memtrain.model.lora) writes the merged model
 and, in `final/adapter/`, the adapters alone. `python -m memtrain export` writes the same from a saved
 model checkpoint (memtrain.tools.export).
+
+`final/` is written to be served: its config has `use_cache: true` (generation reuses the KV cache; training
+turned it off), and for chat or instruction data `generation_config.json` stops at the chat template's
+end-of-turn token as well as at the tokenizer's end of sequence; `data.chat_template` is the tokenizer's template.
 """
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from typing import Callable
 from memtrain.model.data import save_tokenizer
 
 
-def write_model(model_factory: Callable, recipe, state: dict, out: Path) -> None:
+def write_model(model_factory: Callable, recipe, state: dict, out: Path, saved: tuple[str, ...] = ()) -> None:
     """`out` from a full state dict of the trained model (its own parameter names); `model_factory()` builds the
-    recipe's model on the CPU. ValueError when the state does not fit the recipe's model."""
+    recipe's model on the CPU; `saved`: with LoRA, the modules that trained whole, which final/adapter keeps
+    (memtrain.model.freeze.saved_with_adapters). ValueError when the state does not fit the recipe's model."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a clean run's console: plan, bar, summary
@@ -25,7 +30,7 @@ def write_model(model_factory: Callable, recipe, state: dict, out: Path) -> None
         if recipe.model.lora is not None:
             from memtrain.model.lora import save_merged
 
-            save_merged(model_factory, recipe.model.lora, state, out)
+            save_merged(model_factory, recipe.model.lora, state, out, saved)
         else:
             model = model_factory()
             missing, unexpected = model.load_state_dict(state, strict=False)
@@ -35,6 +40,39 @@ def write_model(model_factory: Callable, recipe, state: dict, out: Path) -> None
     finally:
         hf_logging.enable_progress_bar()
     save_tokenizer(recipe.data.tokenizer, out)
+    make_servable(out, recipe.data)
+
+
+def make_servable(out: Path, data) -> None:
+    """`out`'s config with the KV cache on; for chat/instruction data the recipe's chat template in its tokenizer and
+    the template's end-of-turn token among generation's end-of-sequence ids."""
+    import json
+
+    config_file = out / "config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["use_cache"] = True
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if data.format == "text" or data.tokenizer in ("byte", None):
+        return
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from memtrain.model.chat_data import end_of_turn_id, template_text
+
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    if data.chat_template:
+        tok.chat_template = template_text(data)
+        tok.save_pretrained(out)
+    try:
+        generation = GenerationConfig.from_pretrained(out)
+    except OSError:  # no generation_config.json
+        generation = GenerationConfig()
+    eos = generation.eos_token_id
+    special = set(tok.all_special_ids)  # the model config's own ids only where they are this tokenizer's specials
+    kept = [i for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]) if i in special]
+    generation.eos_token_id = list(dict.fromkeys(i for i in (tok.eos_token_id, end_of_turn_id(tok), *kept)
+                                                 if i is not None))
+    generation.use_cache = True
+    generation.save_pretrained(out)
 
 
 def save_final(engine, model, out: Path, recipe, model_factory: Callable) -> None:
@@ -55,6 +93,10 @@ def save_final(engine, model, out: Path, recipe, model_factory: Callable) -> Non
             finally:
                 hf_logging.enable_progress_bar()
             save_tokenizer(recipe.data.tokenizer, out)
+            make_servable(out, recipe.data)
         else:
-            write_model(model_factory, recipe, state, out)
+            from memtrain.model.freeze import saved_with_adapters
+
+            write_model(model_factory, recipe, state, out, saved_with_adapters(
+                model, recipe.model.lora, recipe.train.trainable, recipe.train.frozen))
     dist.barrier()

@@ -27,9 +27,9 @@ from memtrain.train.resume_check import check_resume, check_shapes
 from memtrain.model.data_check import check_data_files, check_seq_len
 from memtrain.recompute.policy import ACPlan, build_plan
 from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
-from memtrain.model.freeze import count_trainable
+from memtrain.model.freeze import count_trainable, saved_with_adapters
 from memtrain.model.chat_data import check_template
-from memtrain.model.lora import add_lora
+from memtrain.model.lora import add_lora, trainable_patterns
 from memtrain.model.moe import experts_line
 from memtrain.model.pretrained import check_pretrained
 from memtrain.memory.target import compute_dtype
@@ -342,7 +342,9 @@ def _trainable_line(model, recipe) -> str:
     train, lora = recipe.train, recipe.model.lora
     if not (train.trainable or train.frozen or lora):
         return ""
-    trainable = count_trainable(model, train.trainable, train.frozen)
+    trainable = count_trainable(model, trainable_patterns(model, lora, train.trainable), train.frozen)
+    if lora:  # what trains beside the adapters fits in final/adapter (peft's modules_to_save), or one line now
+        saved_with_adapters(model, lora, train.trainable, train.frozen)
     total = sum(p.numel() for p in model.parameters())
     adapters = [f"LoRA r={lora.r} alpha={lora.alpha:g} on {lora.target_modules if isinstance(lora.target_modules, str) else ', '.join(lora.target_modules)}"] if lora else []
     which = "; ".join(adapters + [f"{key} {', '.join(v)}" for key, v in (("train.trainable", train.trainable),
@@ -486,6 +488,10 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     if tp_size(args.ds_config) > 1 and recipe.model.lora is not None:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's model.lora: "
                         "AutoTP shards torch Linear layers, and peft's LoRA layers wrap them (untested together)")
+    if zero_stage(args.ds_config) == 3 and recipe.model.lora is not None and recipe.model.lora.use_dora:
+        raise UserError(f"{source}: zero_optimization.stage: 3 cannot train the recipe's model.lora.use_dora: DoRA reads "
+                        "each adapted layer's whole base weight outside that layer's forward (its weight norm), where "
+                        "ZeRO-3 holds only this rank's partition (peft fails on 2 ranks); use stage 0-2 or use_dora false")
     if tp_size(args.ds_config) > 1 and recipe.parallel.sequence > 1:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's parallel.sequence "
                         f"({recipe.parallel.sequence}); memtrain runs AutoTP or Ulysses sequence parallelism, not both")

@@ -24,7 +24,7 @@ from memtrain.model.chat_data import PackedChat, report_line
 from memtrain.model.data import PackedData, RandomTokens, prepare_data, to_device
 from memtrain.model.eval_data import batches_per_rank, prepare_eval_data
 from memtrain.model.freeze import freeze
-from memtrain.model.lora import add_lora
+from memtrain.model.lora import add_lora, trainable_patterns
 from memtrain.train.final import save_final
 from memtrain.config.ds_config import AUTO, model_hidden_size, offload_device, resolve_ds_config, tp_size, zero_stage
 from memtrain.train import ds_log
@@ -702,7 +702,8 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
         model = build_model(recipe.model, config)
     if recipe.model.lora is not None:  # adapters in place; deepspeed.initialize partitions them under ZeRO-3
         add_lora(model, recipe.model.lora)
-    freeze(model, recipe.train.trainable, recipe.train.frozen)  # before DeepSpeed sees which parameters train
+    # before DeepSpeed sees which parameters train; model.lora.modules_to_save's train whole, in place
+    freeze(model, trainable_patterns(model, recipe.model.lora, recipe.train.trainable), recipe.train.frozen)
     # tiled MLP, sequence parallel, loss
     longctx = long_context.prepare(model, recipe, stage, tp_size(ds_config))
     # the model, not its layer list: module-path patterns are relative to it
