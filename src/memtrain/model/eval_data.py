@@ -25,7 +25,9 @@ def check_settings(data: DataSection, train: TrainSection) -> None:
             raise UserError("data.eval_paths: data.random_tokens trains on random ids; a held-out loss on text "
                             "measures nothing about them (remove one of the two)")
         return
-    given = [f"train.{k}" for k in ("eval_every", "eval_batches") if k in train.model_fields_set]
+    # set to something, not merely present: a resumed run's saved recipe holds every key, defaults included
+    given = [f"train.{k}" for k in ("eval_every", "eval_batches")
+             if getattr(train, k) != TrainSection.model_fields[k].default]
     if given:
         raise UserError(f"{given[0]}: set, but there is no held-out data to evaluate; name it with data.eval_paths")
 
