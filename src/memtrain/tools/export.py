@@ -53,11 +53,15 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
     return out
 
 
-@cli_entry
-def main(argv: Optional[list[str]] = None) -> None:
+def parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m memtrain export", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--step", type=int, help="the model checkpoint of this step (default: the newest)")
     p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export-stepNNNNNNNN)")
-    args = p.parse_args(argv)
+    return p
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parser().parse_args(argv)
     print(export(args.run_dir, args.step, args.out))

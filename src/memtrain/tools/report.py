@@ -321,13 +321,17 @@ def write_report(sweep: Sweep, budget: Optional[float] = None, out_root: Path = 
     return out
 
 
-@cli_entry
-def main(argv: Optional[list[str]] = None) -> None:
-    p = ArgumentParser(prog="python -m memtrain.tools.report", description=__doc__.split("\n\n")[0])
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m memtrain report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", nargs="?", default=DEFAULT_SWEEP, help=f"sweep file (default: {DEFAULT_SWEEP})")
     p.add_argument("--budget", help="memory budget for the best-point line, e.g. 40GiB")
     add_shrink_flags(p)
-    args = p.parse_args(argv)
+    return p
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parser().parse_args(argv)
     budget = parse_size(args.budget, 'BUDGET') / GIB if args.budget else None
     sweep = load_sweep(args.sweep, args.set, args.grid)
     out = write_report(sweep, budget)

@@ -1,6 +1,6 @@
 """`make bench-host`: memtrain's host work per step beside plain PyTorch, on one CPU core, in one run -> reports/host_overhead.md.
 
-    python -m memtrain.tools.bench.host [--setups a,b,...] [--steps N] [--repeats N] [--cores N] [--out DIR]
+    python -m memtrain bench-host [--setups a,b,...] [--steps N] [--repeats N] [--cores N] [--out DIR]
 
 Each set-up runs in its own process pinned to `--cores` cores (default 1), on the embedded tiny
 recipe (4 layers, hidden 128, seq 128), random tokens: shapes so small that kernels cost little and
@@ -181,7 +181,7 @@ def run(names: list[str], steps: int, warmup: int, cores: int, out: Path, repeat
 
 
 def parser():
-    p = ArgumentParser(prog="python -m memtrain.tools.bench.host", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m memtrain bench-host", description=__doc__.splitlines()[0])
     p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated set-ups (as make bench names them)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per set-up after 5 warm-up steps (default 30)")
     p.add_argument("--repeats", type=int, default=3,
