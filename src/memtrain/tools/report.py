@@ -245,8 +245,12 @@ def plot_throughput_vs_memory(sweep: Sweep, rows: list[dict], swept: list[str], 
                clip_on=False, transform=ax.get_xaxis_transform())  # on the x-axis, at the memory it measured
     ax.set_xlabel(f"{MEMORY_AXES[mem]}, median after warm-up (GiB)")
     ax.set_ylabel("throughput, median after warm-up (tokens/s, all ranks)")
-    ax.set_title(f"{sweep.name}: throughput vs memory ({len(pts)} of {len(rows)} points completed)")
-    ax.margins(0.08)
+    ax.set_title(f"{sweep.name}: throughput vs memory ({len(pts)} of {len(rows)} points completed)"
+                 + _spread(pts, mem))
+    # from zero: a few per cent of noise looks like a few per cent, not like the whole axis
+    xs = [r[mem] for r in pts + failed] + ([budget] if budget is not None else [])
+    ax.set_xlim(0, 1.08 * max(xs, default=1) or 1)
+    ax.set_ylim(0, 1.08 * max((r["tokens_per_s"] for r in pts), default=1) or 1)
     ax.grid(alpha=0.3)
     ax.yaxis.set_major_formatter("{x:,.0f}")
     plotted = {r["policy"] for r in pts}
@@ -263,6 +267,15 @@ def plot_throughput_vs_memory(sweep: Sweep, rows: list[dict], swept: list[str], 
         keys.append(_failed_marker("did not complete (listed below)"))
     ax.legend(handles=keys, loc="lower left", bbox_to_anchor=(1.02, 0.0), fontsize=9)
     _save(fig, ax, rows, swept, path)
+
+
+def _spread(pts: list[dict], mem: str) -> str:
+    """The title's second line: how far apart the completed points are, largest over smallest."""
+    def ratio(key: str) -> str:
+        values = [r[key] for r in pts if r[key]]
+        return f"{max(values) / min(values):.2f}×" if values else "n/a"
+
+    return f"\nlargest / smallest: tokens/s {ratio('tokens_per_s')}, memory {ratio(mem)}" if len(pts) > 1 else ""
 
 
 def plot_activation_memory(sweep: Sweep, rows: list[dict], swept: list[str], path: Path) -> None:

@@ -116,12 +116,12 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     ax.set_title(textwrap.fill(title, 100), fontsize=8)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="#888888", label="plain PyTorch"),
-                       Patch(color="#d62728", label="memtrain without leaf layers / residency"),
-                       Patch(color="#1f77b4", label="memtrain")], fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+    fig.legend(handles=[Patch(color="#888888", label="plain PyTorch"),
+                        Patch(color="#d62728", label="memtrain without leaf layers / residency"),
+                        Patch(color="#1f77b4", label="memtrain")], fontsize=7, loc="lower center", ncol=3,
+               frameon=False)
     ax.set_xlim(0, max(values) * 1.1)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))  # the legend's strip, below the axis label
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
