@@ -74,8 +74,15 @@ def main(argv=None) -> None:
         from memtrain.train import signals
 
         signals.install()
-    load(COMMANDS[command][0])(rest)
+    try:
+        load(COMMANDS[command][0])(rest)
+    except KeyboardInterrupt:  # Ctrl-C: a stop asked for, not a failure to explain with a traceback
+        print(f"memtrain {command}: stopped (Ctrl-C)", file=sys.stderr)
+        sys.exit(128 + 2)
 
 
 if __name__ == "__main__":
     main()
+    from memtrain.quick_exit import quick_exit
+
+    quick_exit()  # the command is over and written: no seconds of module teardown (memtrain.quick_exit)
