@@ -115,3 +115,20 @@ def test_export_mistakes_are_one_line(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             export.main([str(run), *flags])
         assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"memtrain: error: {line}"]
+
+
+def test_quick_exit_does_what_an_exit_does_but_the_teardown(tmp_path):
+    """memtrain.quick_exit, as the end of a finished command: a thread that is not a daemon finishes its work, atexit
+    handlers run, buffered stdout arrives, and the exit code is the one given."""
+    script = ("import atexit, sys, threading, time\n"
+              "from pathlib import Path\n"
+              "from memtrain.quick_exit import quick_exit\n"
+              f"out = Path({str(tmp_path)!r})\n"
+              "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
+              "threading.Thread(target=lambda: (time.sleep(0.3), (out / 'thread').write_text('done'))).start()\n"
+              "sys.stdout.write('buffered, no newline')\n"
+              "quick_exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "buffered, no newline", "")
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"

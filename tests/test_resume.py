@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import FAST, TRAIN, ROOT, _env, _free_port, assert_ok, cut_back, run_train
 from memtrain.train.checkpoint import tag_for
@@ -152,18 +153,20 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_within_two_steps(tmp_pat
     assert ", which launched this rank, has ended: stopping as on SIGTERM (every rank saves and exits)" in err
 
 
-def test_ctrl_c_to_make_trains_launch_stops_cleanly(tmp_path):
-    """Ctrl-C (SIGINT to the launch's whole process group, right after step 4's optimizer step) under make train's
-    launcher (memtrain.train.launch): every rank saves by step 6 and exits, no process of the launch remains, and
-    nothing prints a traceback (DeepSpeed's runner printed a KeyboardInterrupt one); the exit code says SIGINT."""
+@pytest.mark.parametrize("to, stop", [("group", "SIGINT"), ("launcher", "SIGTERM")])
+def test_make_trains_launch_stops_cleanly(tmp_path, to, stop):
+    """make train's launcher (memtrain.train.launch), right after step 4's optimizer step: Ctrl-C (SIGINT to the
+    launch's whole process group), or SIGTERM to the launcher's own process alone (which it passes on to the ranks).
+    Every rank saves by step 6 and exits, no process of the launch remains, nothing prints a traceback (DeepSpeed's
+    runner printed a KeyboardInterrupt one), and the exit code names the signal."""
     from conftest import _engine_step_hook_env
 
     run = tmp_path / "run"
-    env = _engine_step_hook_env(tmp_path, "ctrl-c", 4, (
-        "if os.environ.get('RANK') == '0':\n"
-        "    os.killpg(os.getpgid(0), signal.SIGINT)"))  # as a terminal's Ctrl-C: every process of the group
-    proc, out, err = _stopped_launch([sys.executable, "-m", "memtrain.train.launch"], run, env, "SIGINT")
-    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    send = {"group": f"os.killpg(os.getpgid(0), signal.{stop})",  # as a terminal's Ctrl-C: every process of the group
+            "launcher": f"import psutil; os.kill(psutil.Process(os.getppid()).ppid(), signal.{stop})"}[to]
+    env = _engine_step_hook_env(tmp_path, to, 4, f"if os.environ.get('RANK') == '0':\n    {send}")
+    proc, out, err = _stopped_launch([sys.executable, "-m", "memtrain.train.launch"], run, env, stop)
+    assert proc.returncode == 128 + getattr(signal, stop), err[-3000:]
 
 
 def _stopped_launch(launcher: list[str], run: Path, env: dict, stop: str):
