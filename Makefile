@@ -45,12 +45,12 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 
 ## train: the embedded default job (tiny Llama, stdlib text, 2 CPU ranks, ZeRO-3 + full AC)
 # Inputs are checked (and the corpus packed) in one plain process first: a mistake is one line
-# and no launcher or worker starts. The launcher gets DeepSpeed's accelerator named (its auto-detection logs a
-# warning in each launcher process; memtrain's own entry points name it the same way, memtrain.errors).
+# and no launcher or worker starts. The launcher is DeepSpeed's runner inside memtrain.train.launch: Ctrl-C or a
+# SIGTERM to it reaches every rank, which saves and exits, with no traceback; it names DeepSpeed's accelerator
+# for itself and the ranks (its auto-detection logs a warning in each launcher process; memtrain.errors).
 train: setup
 	$(BIN)/python -m memtrain preflight --world-size $(NPROC) $(DS_ARG) $(RECIPE_ARG) $(ARGS)
-	DS_ACCELERATOR=$${DS_ACCELERATOR:-$$($(BIN)/python -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')} \
-	  $(BIN)/deepspeed --quiet --num_gpus $(NPROC) src/train.py $(DS_ARG) $(RECIPE_ARG) $(ARGS)
+	$(BIN)/python -m memtrain.train.launch --quiet --num_gpus $(NPROC) src/train.py $(DS_ARG) $(RECIPE_ARG) $(ARGS)
 
 ## sweep: every point of SWEEP's grid, one launcher process each, under runs/<sweep>/ (FORCE=1: rerun finished points;
 ## SWEEP_ARGS="--set train.max_steps=10 --grid train.micro_batch_size=4": a smaller sweep, under runs/<sweep>-<hash>/)

@@ -9,6 +9,8 @@ from memtrain.train import signals  # noqa: E402
 signals.install()  # before anything slow: a stop signal during start-up is recorded, not fatal
 
 from memtrain.train.main import main  # noqa: E402
+from memtrain.quick_exit import quick_exit  # noqa: E402
 
 if __name__ == "__main__":
     main()
+    quick_exit()  # the run is over and written: no seconds of module teardown (memtrain.quick_exit)

@@ -305,10 +305,10 @@ def test_non_utf8_deepspeed_json(capsys, tmp_path):
 
 @pytest.mark.parametrize("module, argv, expected", [
     ("plan", ["--budget=-1GB"], "--budget: '-1GB' must be a positive memory size (e.g. 40GiB)"),
-    ("plan", ["--budget"], "--budget: expected one argument (see python -m memtrain.tools.plan --help)"),
-    ("plan", ["--ngpus", "x"], "--ngpus: invalid int value: 'x' (see python -m memtrain.tools.plan --help)"),
+    ("plan", ["--budget"], "--budget: expected one argument (see python -m memtrain plan --help)"),
+    ("plan", ["--ngpus", "x"], "--ngpus: invalid int value: 'x' (see python -m memtrain plan --help)"),
     ("report", ["--budget=-1GB"], "BUDGET: '-1GB' must be a positive memory size (e.g. 40GiB)"),
-    ("report", ["--budget"], "--budget: expected one argument (see python -m memtrain.tools.report --help)"),
+    ("report", ["--budget"], "--budget: expected one argument (see python -m memtrain report --help)"),
 ])
 def test_tool_flags_one_line(capsys, module, argv, expected):
     """`make plan BUDGET=-1GB` runs `python -m memtrain.tools.plan --budget=-1GB` (and report likewise)."""

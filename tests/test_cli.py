@@ -20,24 +20,64 @@ def test_front_door_lists_every_command():
     assert unknown.returncode == 2 and unknown.stderr.startswith("memtrain: error: unknown command 'trian'")
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_each_command_has_its_help(command, capsys):
+def _exit_code(argv: list[str]) -> int:
+    """`python -m memtrain ARGV` in this process, which it must leave by exiting: its exit code."""
     import signal
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:  # `train` installs the trainer's stop-signal handlers: give pytest its own back
         with pytest.raises(SystemExit) as e:
-            main([command, "--help"])
+            main(argv)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    assert e.value.code == 0
+    return e.value.code
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_each_command_has_its_help(command, capsys):
+    assert _exit_code([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage:") and "--help" in out
-    if command == "gpu-check":  # bench's parser, entered with --gpu-check
-        assert "--gpu-check" in out
+    assert out.startswith(f"usage: python -m memtrain {command} ")
+    if command == "gpu-check":  # its own flags, not bench's
+        assert "--no-long" in out and "--gpu-check" not in out and "--no-search" not in out
     if command in ("preflight", "explain-config"):  # their own flag and every flag of train.py they pass on
         assert all(flag in out for flag in ("--world-size", "--deepspeed", "--recipe", "--set", "--run-dir"))
+
+
+HEAVY = ("torch", "deepspeed", "transformers")
+
+
+def test_help_imports_no_torch():
+    """Every command's --help, and src/train.py's, in a fresh interpreter: it imports none of torch, DeepSpeed or
+    transformers (their imports are the seconds a --help waited for), and its usage line names the command."""
+    probe = (f"import sys, contextlib, io\nfrom memtrain.__main__ import main\nHEAVY = {HEAVY!r}\n"
+             "for command in sys.argv[1:]:\n"
+             "    out = io.StringIO()\n"
+             "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+             "        main([command, '--help'])\n"
+             "    print(command, '|', out.getvalue().splitlines()[0], '|', sorted(set(HEAVY) & set(sys.modules)))\n")
+    done = subprocess.run([sys.executable, "-c", probe, *COMMANDS], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split(" | ") for line in done.stdout.splitlines()]
+    assert [r[0] for r in rows] == list(COMMANDS), done.stdout
+    for command, usage, heavy in rows:
+        assert usage.startswith(f"usage: python -m memtrain {command} [-h]") and heavy == "[]", (command, usage, heavy)
+    direct = subprocess.run([sys.executable, "-X", "importtime", "src/train.py", "--help"], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert direct.returncode == 0 and direct.stdout.startswith("usage: src/train.py [-h]"), direct.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in direct.stderr.splitlines() if line.count("|") == 2}
+    assert "memtrain.config.args" in imported and not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_each_command_names_itself_in_errors(command, capsys):
+    """A bad flag's line points to the --help that the front door prints: the same parser, the same name."""
+    assert _exit_code([command, "--no-such-flag"]) == 2
+    name = "src/train.py" if command == "train" else f"python -m memtrain {command}"  # train: the launcher's script
+    assert capsys.readouterr().err.rstrip().endswith(f"(see {name} --help)")
 
 
 def test_makefile_targets_use_the_front_door():
@@ -75,3 +115,20 @@ def test_export_mistakes_are_one_line(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             export.main([str(run), *flags])
         assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"memtrain: error: {line}"]
+
+
+def test_quick_exit_does_what_an_exit_does_but_the_teardown(tmp_path):
+    """memtrain.quick_exit, as the end of a finished command: a thread that is not a daemon finishes its work, atexit
+    handlers run, buffered stdout arrives, and the exit code is the one given."""
+    script = ("import atexit, sys, threading, time\n"
+              "from pathlib import Path\n"
+              "from memtrain.quick_exit import quick_exit\n"
+              f"out = Path({str(tmp_path)!r})\n"
+              "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
+              "threading.Thread(target=lambda: (time.sleep(0.3), (out / 'thread').write_text('done'))).start()\n"
+              "sys.stdout.write('buffered, no newline')\n"
+              "quick_exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "buffered, no newline", "")
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"

@@ -644,3 +644,29 @@ def test_bench_host_shows_the_median_round_and_the_range():
     assert "| torch:noac | plain | 10,000 | 9,000-12,000 | 1.00 |" in markdown([best])
     assert median_runs([*rounds[:2], {"setup": "torch:noac", "error": "boom"}]) == {"setup": "torch:noac",
                                                                                       "error": "boom"}
+
+
+def test_bench_host_legend_clears_the_axis_label(tmp_path, monkeypatch):
+    """make bench-host's plot: the legend sits below the x-axis label, not over it (their boxes as drawn)."""
+    from matplotlib.figure import Figure
+
+    from memtrain.tools.bench.host import plot
+
+    boxes = {}
+    real_savefig = Figure.savefig
+
+    def keep(fig, path, *a, **k):
+        def drawn(event):  # the boxes as the file has them (saved at its own dpi)
+            legend = fig.legends[0] if fig.legends else fig.axes[0].get_legend()  # the figure's or the axes'
+            boxes.update(label=fig.axes[0].xaxis.label.get_window_extent(event.renderer),
+                         legend=legend.get_window_extent(event.renderer), figure=fig.bbox)
+
+        fig.canvas.mpl_connect("draw_event", drawn)
+        return real_savefig(fig, path, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    rows = [{"setup": s, "tokens_per_s": t} for s, t in (("torch:noac", 1000.0), ("torch:hf-ac", 800.0),
+                                                         ("memtrain:full", 700.0), ("memtrain:full-leaf-resident", 500.0))]
+    plot(rows, tmp_path / "host.png", "a title")
+    assert not boxes["legend"].overlaps(boxes["label"]) and boxes["legend"].y1 < boxes["label"].y0, boxes
+    assert boxes["legend"].y0 >= boxes["figure"].y0  # and inside the figure

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import (EVAL_PATHS, FAST, TRAIN, ROOT, _env, _free_port, assert_ok, cut_back, eval_loss_by_hand,
                       run_train)
@@ -166,8 +167,32 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_within_two_steps(tmp_pat
         "    import psutil\n"
         "    os.kill(psutil.Process(os.getppid()).ppid(), signal.SIGTERM)"))  # rank -> launch.py -> the runner
     env.pop("PYTHONWARNINGS")  # as a user's shell has it: a direct launch is as quiet as make train
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(_free_port()),
-           str(TRAIN), *FAST, "--max-steps", "40", "--set", "train.log_every=1000", "--run-dir", str(run)]
+    proc, out, err = _stopped_launch([str(Path(sys.executable).with_name("deepspeed"))], run, env, "SIGTERM")
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert ", which launched this rank, has ended: stopping as on SIGTERM (every rank saves and exits)" in err
+
+
+@pytest.mark.parametrize("to, stop", [("group", "SIGINT"), ("launcher", "SIGTERM")])
+def test_make_trains_launch_stops_cleanly(tmp_path, to, stop):
+    """make train's launcher (memtrain.train.launch), right after step 4's optimizer step: Ctrl-C (SIGINT to the
+    launch's whole process group), or SIGTERM to the launcher's own process alone (which it passes on to the ranks).
+    Every rank saves by step 6 and exits, no process of the launch remains, nothing prints a traceback (DeepSpeed's
+    runner printed a KeyboardInterrupt one), and the exit code names the signal."""
+    from conftest import _engine_step_hook_env
+
+    run = tmp_path / "run"
+    send = {"group": f"os.killpg(os.getpgid(0), signal.{stop})",  # as a terminal's Ctrl-C: every process of the group
+            "launcher": f"import psutil; os.kill(psutil.Process(os.getppid()).ppid(), signal.{stop})"}[to]
+    env = _engine_step_hook_env(tmp_path, to, 4, f"if os.environ.get('RANK') == '0':\n    {send}")
+    proc, out, err = _stopped_launch([sys.executable, "-m", "memtrain.train.launch"], run, env, stop)
+    assert proc.returncode == 128 + getattr(signal, stop), err[-3000:]
+
+
+def _stopped_launch(launcher: list[str], run: Path, env: dict, stop: str):
+    """A 2-rank launch of 40 steps that a stop signal ends early: it saved and said so at step 5 or 6, no process of
+    it remains, and neither a traceback nor a warning was printed. (process, stdout, stderr)"""
+    cmd = [*launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(TRAIN), *FAST, "--max-steps", "40",
+           "--set", "train.log_every=1000", "--run-dir", str(run)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -177,16 +202,15 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_within_two_steps(tmp_pat
             time.sleep(0.1)
     finally:
         _kill_session(proc.pid)
-    assert proc.returncode == -signal.SIGTERM, err[-3000:]
     assert left == [], "a process of the launch outlived its launcher"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGTERM", summary
+    assert summary["status"] == "preempted" and summary["stop_signal"] == stop, (summary, err[-3000:])
     assert 4 < summary["steps"] <= 6, summary
     assert (run / "checkpoints" / "latest").read_text() == tag_for(summary["steps"])
-    assert ", which launched this rank, has ended: stopping as on SIGTERM (every rank saves and exits)" in err
     assert [line for line in out.splitlines() if line.startswith("preempted: ")][0].endswith(
         f"; continue with: --resume --run-dir {run}")
     assert "Traceback" not in err and "Warning" not in err, err
+    return proc, out, err
 
 
 def _session(sid: int) -> list[psutil.Process]:

@@ -88,7 +88,7 @@ def test_overwrite_with_a_mistake_changes_nothing(finished, tmp_path):
          "offset 4); expected text (.txt files are read as text)"),
         (["--deepspeed", str(latin)], f"{latin}: not UTF-8 text (byte 0xe9 at offset {offset}); a DeepSpeed config is "
          "JSON, which is UTF-8"),
-        (["--max-steps", "abc"], "--max-steps: invalid int value: 'abc' (see train.py --help)"),
+        (["--max-steps", "abc"], "--max-steps: invalid int value: 'abc' (see src/train.py --help)"),
         (s("data.seq_len=1"), "embedded recipe 'tiny': data.seq_len: 1 leaves no next token to predict (the labels "
          "are the inputs shifted by one); expected 2 or more"),
         (s(f"data.cache_dir={blocker}/cache"), f"embedded recipe 'tiny': data.cache_dir: '{blocker}/cache' cannot be "

@@ -291,3 +291,27 @@ def test_a_sweep_shrinks_from_the_command_line(tmp_path, monkeypatch):
         load_sweep(path, [], ["train.lr=1,2"])
     with pytest.raises(UserError, match=r"s.yaml: set: unknown recipe key 'train.max_step'; did you mean 'max_steps'"):
         load_sweep(path, ["train.max_step=3"])
+
+
+def test_throughput_plot_starts_at_zero_and_says_the_spread(tmp_path, monkeypatch):
+    """Points 3 % apart (noise, here) are drawn from zero, not on an axis zoomed onto them; the title gives the
+    spread. The figure is read as it is saved."""
+    from matplotlib.figure import Figure
+
+    saved = {}
+    real_savefig = Figure.savefig
+
+    def keep(fig, path, *a, **k):
+        saved[path.name] = [(ax.get_xlim(), ax.get_ylim(), ax.get_title()) for ax in fig.axes]
+        return real_savefig(fig, path, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    monkeypatch.chdir(tmp_path)
+    sweep = load_sweep(_sweep_file(tmp_path, {"activation_checkpointing.policy": ["none", "full", "op"]}))
+    for p, (m, t) in zip(sweep.points, [(2.00, 1000.0), (1.96, 1030.0), (2.04, 1015.0)]):
+        _write_events(p.run_dir / "tb", memory=m, tokens_per_s=t)
+        _summary(p.run_dir, "completed")
+    write_report(sweep, budget=None)
+    (xlim, ylim, title), = saved["throughput_vs_memory.png"]
+    assert xlim[0] == 0 and ylim[0] == 0 and ylim[1] > 1035 and xlim[1] > 3.29, (xlim, ylim)
+    assert title.endswith(f"tokens/s {1035 / 1005:.2f}×, memory {3.29 / 3.21:.2f}×"), title  # medians: t + 5, m + 1.25

@@ -1,28 +1,62 @@
-"""`python -m memtrain <command>`: the one front door to every tool; `<command> --help` is each one's reference."""
+"""`python -m memtrain <command>`: the one front door to every tool; `<command> --help` is each one's reference.
+
+`<command> --help` builds only the command's parser, from a module that imports no torch, so it answers at once;
+the command itself parses its arguments with the same parser."""
 from __future__ import annotations
 
 import sys
 
-# command -> (module whose main(argv) runs it, arguments put first, what it does)
+PROG = "python -m memtrain"
+
+# command -> ("module:function" that runs it with argv, "module:function" that builds its parser, what it does)
 COMMANDS = {
-    "train": ("memtrain.train.main", (), "train in this process (under a launcher: src/train.py, same flags)"),
-    "preflight": ("memtrain.train.preflight", (), "every check of a run, before any worker starts (make train runs it)"),
-    "plan": ("memtrain.tools.plan", (), "predicted peak memory per device for each AC policy; a budget's best plan"),
-    "explain-config": ("memtrain.tools.explain_config", (), "one line per key of a DeepSpeed JSON: what the run does"),
-    "ac-profile": ("memtrain.tools.ac_profile", (), "one measured CPU step per AC policy: bytes kept, FLOPs, time"),
-    "sweep": ("memtrain.tools.sweep", (), "run every point of a sweep file's grid (resumable; Slurm or local)"),
-    "report": ("memtrain.tools.report", (), "a sweep's TensorBoard scalars as tables and plots"),
-    "bench": ("memtrain.tools.bench.__main__", (), "recompute/offload set-ups side by side on a GPU"),
-    "gpu-check": ("memtrain.tools.bench.__main__", ("--gpu-check",), "the fixed GPU acceptance run -> reports/gpu/"),
-    "bench-host": ("memtrain.tools.bench.host", (), "host work per step beside plain PyTorch, one CPU core"),
-    "export": ("memtrain.tools.export", (), "write a run's model checkpoint as a transformers model"),
+    "train": ("memtrain.train.main:main", "memtrain.config.args:parser",
+              "train in this process (under a launcher: src/train.py, same flags)"),
+    "preflight": ("memtrain.train.preflight:main", "memtrain.config.args:preflight_parser",
+                  "every check of a run, before any worker starts (make train runs it)"),
+    "plan": ("memtrain.tools.plan:main", "memtrain.tools.flags:plan_parser",
+             "predicted peak memory per device for each AC policy; a budget's best plan"),
+    "explain-config": ("memtrain.tools.explain_config:main", "memtrain.tools.explain_config:explain_parser",
+                       "one line per key of a DeepSpeed JSON: what the run does"),
+    "ac-profile": ("memtrain.tools.ac_profile:main", "memtrain.tools.flags:ac_profile_parser",
+                   "one measured CPU step per AC policy: bytes kept, FLOPs, time"),
+    "sweep": ("memtrain.tools.sweep:main", "memtrain.tools.sweep:parser",
+              "run every point of a sweep file's grid (resumable; Slurm or local)"),
+    "report": ("memtrain.tools.report:main", "memtrain.tools.report:parser",
+               "a sweep's TensorBoard scalars as tables and plots"),
+    "bench": ("memtrain.tools.bench.__main__:main", "memtrain.tools.flags:bench_parser",
+              "recompute/offload set-ups side by side on a GPU"),
+    "gpu-check": ("memtrain.tools.bench.__main__:gpu_check_main", "memtrain.tools.flags:gpu_check_parser",
+                  "the fixed GPU acceptance run -> reports/gpu/"),
+    "bench-host": ("memtrain.tools.bench.host:main", "memtrain.tools.bench.host:parser",
+                   "host work per step beside plain PyTorch, one CPU core"),
+    "export": ("memtrain.tools.export:main", "memtrain.tools.export:parser",
+               "write a run's model checkpoint as a transformers model"),
 }
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    return "\n".join(["usage: python -m memtrain <command> [--help | arguments]", "", "commands:"]
+    return "\n".join([f"usage: {PROG} <command> [--help | arguments]", "", "commands:"]
                      + [f"  {name:<{width}}  {what}" for name, (_, _, what) in COMMANDS.items()])
+
+
+def load(target: str):
+    """The function `module:function` names, its module imported now (and only then)."""
+    import importlib
+
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def show_help(command: str, argv: list[str]) -> None:
+    """`<command> ... --help`: the command's parser alone prints its help and exits; a `--help` that is another
+    flag's value parses on, and the command runs as it would have."""
+    from memtrain.errors import cli_entry
+
+    flags = load(COMMANDS[command][1])()
+    flags.prog = f"{PROG} {command}"
+    cli_entry(flags.parse_known_args)(argv)
 
 
 def main(argv=None) -> None:
@@ -33,15 +67,22 @@ def main(argv=None) -> None:
             print(f"memtrain: error: unknown command '{argv[0]}'", file=sys.stderr)
         print(usage(), file=sys.stdout if known else sys.stderr)
         sys.exit(0 if known else 2)
-    module, first, _ = COMMANDS[argv[0]]
-    if argv[0] == "train":  # a stop signal during start-up is recorded, not fatal (as in src/train.py)
+    command, rest = argv[0], argv[1:]
+    if {"-h", "--help"} & set(rest):
+        show_help(command, rest)
+    if command == "train":  # a stop signal during start-up is recorded, not fatal (as in src/train.py)
         from memtrain.train import signals
 
         signals.install()
-    import importlib
-
-    importlib.import_module(module).main([*first, *argv[1:]])
+    try:
+        load(COMMANDS[command][0])(rest)
+    except KeyboardInterrupt:  # Ctrl-C: a stop asked for, not a failure to explain with a traceback
+        print(f"memtrain {command}: stopped (Ctrl-C)", file=sys.stderr)
+        sys.exit(128 + 2)
 
 
 if __name__ == "__main__":
     main()
+    from memtrain.quick_exit import quick_exit
+
+    quick_exit()  # the command is over and written: no seconds of module teardown (memtrain.quick_exit)

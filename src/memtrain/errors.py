@@ -43,10 +43,16 @@ def not_utf8(e: UnicodeDecodeError) -> str:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag or value is one UserError line (`--max-steps: invalid int value: 'abc'`)
-    instead of the usage text over several lines; `--help` is unchanged."""
+    instead of the usage text over several lines; `--help` is unchanged and imports nothing (torch neither).
+    A command line parsed names DeepSpeed's accelerator before the command runs (see `name_cpu_accelerator`)."""
 
     def error(self, message: str):
         raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed = super().parse_known_args(args, namespace)  # --help has exited by now
+        name_cpu_accelerator()
+        return parsed
 
 
 EXIT_USER_ERROR = 2
@@ -99,9 +105,9 @@ def _first_on_node(text: str) -> bool:
     return True
 
 
-def _name_cpu_accelerator() -> None:
+def name_cpu_accelerator() -> None:
     """Without CUDA, name DeepSpeed's accelerator: its auto-detection logs a warning on stderr at
-    import, which would turn a one-line error into two lines."""
+    import, which would turn a one-line error into two lines. Imports torch: not for `--help`."""
     if "DS_ACCELERATOR" not in os.environ:
         import torch
 
@@ -115,7 +121,6 @@ def cli_entry(main):
 
     @wraps(main)
     def wrapper(*args, **kwargs):
-        _name_cpu_accelerator()
         try:
             return main(*args, **kwargs)
         except NodeError as e:

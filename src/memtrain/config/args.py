@@ -37,7 +37,7 @@ def _path(text: str) -> Path:
 TRAIN_DESCRIPTION = "Train a transformers causal LM with DeepSpeed and per-layer activation recompute."
 
 
-def parser(prog: str = "train.py", description: str = TRAIN_DESCRIPTION,
+def parser(prog: str = "src/train.py", description: str = TRAIN_DESCRIPTION,
            world_size: Optional[int] = None) -> argparse.ArgumentParser:
     """train.py's flags; with `world_size` (its default) also `--world-size`, for the tools that check or explain a
     run before any launcher starts it (preflight, explain-config), so their --help lists every flag they take."""
@@ -59,6 +59,13 @@ def parser(prog: str = "train.py", description: str = TRAIN_DESCRIPTION,
     p.add_argument("--overwrite", action="store_true", help="allow reusing a run directory that holds a run")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)), help=argparse.SUPPRESS)
     return p
+
+
+def preflight_parser() -> argparse.ArgumentParser:
+    """`python -m memtrain preflight`'s flags: train.py's and --world-size (default: the launcher's WORLD_SIZE)."""
+    return parser("python -m memtrain preflight", "Every check of a run before any worker starts, and the corpus "
+                  "packed for its workers; silent with exit 0 when all is well.",
+                  world_size=int(os.environ.get("WORLD_SIZE", 1)))
 
 
 def parse_args(argv: Optional[list[str]] = None, flags: Optional[argparse.ArgumentParser] = None) -> RunArgs:

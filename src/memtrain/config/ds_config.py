@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-
 from memtrain.errors import UserError, not_utf8
 from memtrain.config.recipe import Recipe
 
@@ -42,6 +40,8 @@ def load_ds_config(path: str | Path) -> dict:
 
 
 def bf16_supported() -> bool:
+    import torch  # here, not at the top: the tools' --help imports this module and must not wait for torch
+
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
@@ -319,6 +319,8 @@ def _adam_implementation(cfg: dict, raw: dict) -> None:
     if "torch_adam" not in params and offload_device(cfg, "optimizer") == "none":
         params["torch_adam"] = True
     written = get(raw, "optimizer.params.torch_adam")
+    import torch
+
     if params.get("torch_adam") is True and written in (AUTO, None) and "foreach" not in params \
             and torch.cuda.is_available():
         params.setdefault("fused", True)

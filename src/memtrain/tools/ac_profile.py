@@ -1,6 +1,6 @@
 """What each AC policy costs on a recipe's model: one measured training step per policy, on CPU.
 
-`python -m memtrain.tools.ac_profile [--recipe YAML] [--set k=v ...] [--policies a,b,...]`
+`python -m memtrain ac-profile [--recipe YAML] [--set k=v ...] [--policies a,b,...]`
 (`make ac-profile [RECIPE=...]`) builds the recipe's model in fp32, runs one forward+backward
 per policy on the same random token batch and writes a table (stdout) and a CSV
 (`reports/ac_profile.csv`):
@@ -36,11 +36,10 @@ from torch import nn
 from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, plan_for
 from memtrain.recompute.hooks import apply_plan, observe_recompute
 from memtrain.memory.flops import flop_counter
-from memtrain.errors import ArgumentParser, UserError, cli_entry
+from memtrain.errors import UserError, cli_entry
+from memtrain.tools.flags import AC_PROFILE_SEQ_LEN, ac_profile_parser
 from memtrain.recompute.meter import ActivationMeter, StepTracker
 
-DEFAULT_OUT = "reports/ac_profile.csv"
-CPU_SEQ_LEN = 128  # default profile shape: min(recipe seq_len, this) x batch 1
 COLUMNS = ("policy", "layers", "activation_bytes", "peak_backward_bytes", "flops_total", "recompute_overhead",
            "max_grad_rel_err", "note")  # note: why a policy is n/a for this model
 
@@ -189,18 +188,9 @@ def write_csv(rows: list[dict], path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     from memtrain.config.recipe import load_recipe
 
-    p = ArgumentParser(prog="python -m memtrain.tools.ac_profile",
-                                description="Measure each AC policy's activation memory and recompute cost on CPU.")
-    p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override a recipe key (e.g. activation_checkpointing.op_save=[matmul/2,attention])")
-    p.add_argument("--policies", help="comma-separated policies (default: a representative set)")
-    p.add_argument("--seq-len", type=int, help=f"sequence length (default: min(recipe, {CPU_SEQ_LEN}))")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default: 1)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"CSV path (default: {DEFAULT_OUT})")
-    args = p.parse_args(argv)
+    args = ac_profile_parser().parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
-    seq_len = args.seq_len or min(recipe.data.seq_len, CPU_SEQ_LEN)
+    seq_len = args.seq_len or min(recipe.data.seq_len, AC_PROFILE_SEQ_LEN)
     if seq_len <= 0 or args.batch <= 0:
         raise UserError("--seq-len/--batch: must be positive")
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else None

@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from memtrain.config.args import RunArgs, parse_args, parser
 from memtrain.config.ds_config import (AUTO, AUTO_BY_KEY, MONITOR_KEYS, deepspeed_top_level_keys, get,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config,
@@ -40,6 +38,8 @@ def _noop(key: str, raw: dict, resolved: dict, spec: Optional[RecomputeSpec]) ->
             return "ZeRO stage 0 partitions nothing"
         if ("stage3_" in rest or rest.startswith(("offload_param", "sub_group_size"))) and stage < 3:
             return "ZeRO-3 only"
+        import torch  # here, not at the top: --help must not wait for it
+
         if rest.endswith("pin_memory") and not torch.cuda.is_available():
             return "no device here: nothing to pin for"
     if top == "activation_checkpointing" and spec is not None:  # as the run's RecomputeSpec decided
@@ -120,6 +120,11 @@ def explain(args: RunArgs) -> list[str]:
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
+    print("\n".join(explain(parse_args(argv, explain_parser()))))
+
+
+def explain_parser():
+    """explain-config's flags: src/train.py's and --world-size (default 2, as make explain's NPROC)."""
     description = " ".join(__doc__.split(":", 1)[1].split())  # the docstring after its usage line
     description = description[0].upper() + description[1:]
-    print("\n".join(explain(parse_args(argv, parser("python -m memtrain explain-config", description, world_size=2)))))
+    return parser("python -m memtrain explain-config", description, world_size=2)

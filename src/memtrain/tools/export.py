@@ -66,11 +66,15 @@ def _saved_with_adapters(recipe, config) -> tuple[str, ...]:
     return saved_with_adapters(model, recipe.model.lora, recipe.train.trainable, recipe.train.frozen)
 
 
-@cli_entry
-def main(argv: Optional[list[str]] = None) -> None:
+def parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m memtrain export", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--step", type=int, help="the model checkpoint of this step (default: the newest)")
     p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export-stepNNNNNNNN)")
-    args = p.parse_args(argv)
+    return p
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parser().parse_args(argv)
     print(export(args.run_dir, args.step, args.out))

@@ -1,6 +1,6 @@
 """`make plan`: a recipe's predicted peak memory per device, by component and per AC policy, before any run.
 
-`python -m memtrain.tools.plan` (`make plan RECIPE=... [DS=...] [BUDGET=40GiB] [NGPUS=...]`).
+`python -m memtrain plan` (`make plan RECIPE=... [DS=...] [BUDGET=40GiB] [NGPUS=...]`).
 
 Activations are measured on fake tensors (nothing is allocated), so every shipped recipe plans
 in seconds on a CPU. With a budget it adds, per policy, the largest micro-batch and the longest
@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 from memtrain.recompute.policy import build_plan
-from memtrain.errors import ArgumentParser, UserError, cli_entry
+from memtrain.errors import UserError, cli_entry
 from memtrain.units import GIB, parse_size
 from memtrain.model.eval_data import has_eval_data
 from memtrain.model.moe import experts_line
@@ -25,6 +25,7 @@ from memtrain.memory.rates import measure_rates
 from memtrain.memory.states import model_states
 from memtrain.memory.target import make_target, model_and_config, recompute_spec
 from memtrain.tools.max_seq import largest
+from memtrain.tools.flags import plan_parser
 from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, may_offload, predicted_plan, smallest_peak, what_fits)
 
 POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
@@ -255,23 +256,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from memtrain.config.ds_config import load_ds_config
     from memtrain.config.recipe import load_recipe
 
-    p = ArgumentParser(prog="python -m memtrain.tools.plan",
-                                description="Predict a recipe's peak memory per device, per AC policy, before a run.")
-    p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
-    p.add_argument("--deepspeed", default="ds_configs/zero3_ckpt.json", metavar="JSON",
-                   help="DeepSpeed config (default: ds_configs/zero3_ckpt.json)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override a recipe key")
-    p.add_argument("--budget", help="memory per device, e.g. 40GiB: adds max micro-batch/sequence and the auto plan")
-    p.add_argument("--ngpus", type=int, default=1, help="world size (devices in the job; default 1)")
-    p.add_argument("--device", choices=("cpu", "cuda"),
-                   help="device the run will use (default: this machine's); cuda also turns bf16 'auto' on")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--max-seq", action="store_true",
-                   help="with --budget: the longest sequence that fits per policy x offload x loss x tiled MLP x "
-                        "sequence parallelism, and whether device or host memory runs out first")
-    p.add_argument("--host-budget", help="host memory per node for --max-seq (default: this machine's)")
-    args = p.parse_args(argv)
+    args = plan_parser().parse_args(argv)
     if args.ngpus < 1:
         raise UserError(f"--ngpus: must be positive (got {args.ngpus})")
     budget = parse_size(args.budget, "--budget") if args.budget else None

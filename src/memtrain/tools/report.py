@@ -252,8 +252,12 @@ def plot_throughput_vs_memory(sweep: Sweep, rows: list[dict], swept: list[str], 
                clip_on=False, transform=ax.get_xaxis_transform())  # on the x-axis, at the memory it measured
     ax.set_xlabel(f"{MEMORY_AXES[mem]}, median after warm-up (GiB)")
     ax.set_ylabel("throughput, median after warm-up (tokens/s, all ranks)")
-    ax.set_title(f"{sweep.name}: throughput vs memory ({len(pts)} of {len(rows)} points completed)")
-    ax.margins(0.08)
+    ax.set_title(f"{sweep.name}: throughput vs memory ({len(pts)} of {len(rows)} points completed)"
+                 + _spread(pts, mem))
+    # from zero: a few per cent of noise looks like a few per cent, not like the whole axis
+    xs = [r[mem] for r in pts + failed] + ([budget] if budget is not None else [])
+    ax.set_xlim(0, 1.08 * max(xs, default=1) or 1)
+    ax.set_ylim(0, 1.08 * max((r["tokens_per_s"] for r in pts), default=1) or 1)
     ax.grid(alpha=0.3)
     ax.yaxis.set_major_formatter("{x:,.0f}")
     plotted = {r["policy"] for r in pts}
@@ -270,6 +274,15 @@ def plot_throughput_vs_memory(sweep: Sweep, rows: list[dict], swept: list[str], 
         keys.append(_failed_marker("did not complete (listed below)"))
     ax.legend(handles=keys, loc="lower left", bbox_to_anchor=(1.02, 0.0), fontsize=9)
     _save(fig, ax, rows, swept, path)
+
+
+def _spread(pts: list[dict], mem: str) -> str:
+    """The title's second line: how far apart the completed points are, largest over smallest."""
+    def ratio(key: str) -> str:
+        values = [r[key] for r in pts if r[key]]
+        return f"{max(values) / min(values):.2f}×" if values else "n/a"
+
+    return f"\nlargest / smallest: tokens/s {ratio('tokens_per_s')}, memory {ratio(mem)}" if len(pts) > 1 else ""
 
 
 def plot_activation_memory(sweep: Sweep, rows: list[dict], swept: list[str], path: Path) -> None:
@@ -354,13 +367,17 @@ def write_report(sweep: Sweep, budget: Optional[float] = None, out_root: Path = 
     return out
 
 
-@cli_entry
-def main(argv: Optional[list[str]] = None) -> None:
-    p = ArgumentParser(prog="python -m memtrain.tools.report", description=__doc__.split("\n\n")[0])
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m memtrain report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", nargs="?", default=DEFAULT_SWEEP, help=f"sweep file (default: {DEFAULT_SWEEP})")
     p.add_argument("--budget", help="memory budget for the best-point line, e.g. 40GiB")
     add_shrink_flags(p)
-    args = p.parse_args(argv)
+    return p
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parser().parse_args(argv)
     budget = parse_size(args.budget, 'BUDGET') / GIB if args.budget else None
     sweep = load_sweep(args.sweep, args.set, args.grid)
     out = write_report(sweep, budget)

@@ -40,6 +40,7 @@ def plot_vs_seq_len(sweep, rows: list[dict], names: dict[str, str], mem: str, me
     bottom.set_xscale("log", base=2)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
+        ax.set_ylim(0, 1.1 * ax.get_ylim()[1])  # from zero: noise between points stays as small as it is
     top.set_title(f"{sweep.name}: throughput and memory against sequence length")
     top.legend(fontsize=8, loc="best")
     if failed:

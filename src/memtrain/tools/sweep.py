@@ -106,15 +106,19 @@ def run_sweep(sweep: Sweep, force: bool = False, launcher: Optional[str] = None)
     return todo
 
 
-@cli_entry
-def main(argv: Optional[list[str]] = None) -> None:
-    p = ArgumentParser(prog="python -m memtrain.tools.sweep", description=__doc__.split("\n\n")[0])
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m memtrain sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", nargs="?", default=DEFAULT_SWEEP, help=f"sweep file (default: {DEFAULT_SWEEP})")
     p.add_argument("--force", action="store_true",
                    help=f"rerun points that already finished (their runs are moved to <runs>/{SET_ASIDE}/, not deleted)")
     p.add_argument("--launcher", help=f"override the sweep file's launcher.name ({', '.join(LAUNCHERS)})")
     add_shrink_flags(p)
-    args = p.parse_args(argv)
+    return p
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: the point in flight stops cleanly
     try:
         sweep = load_sweep(args.sweep, args.set, args.grid)

@@ -16,7 +16,6 @@ from typing import Any, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
-from memtrain.train.faults import is_oom_text
 from memtrain.errors import UserError
 from memtrain.config.recipe import Recipe, did_you_mean, format_validation_error, load_yaml, parse_scalar
 
@@ -308,6 +307,8 @@ def record_outcome(point: Point, returncode: int) -> dict:
         reason = "exited 0 without writing summary.json"
     else:
         reason = failure_reason(stderr, _read(point.run_dir / "stdout.log"))
+    from memtrain.train.faults import is_oom_text  # here: faults imports torch, which --help must not wait for
+
     status = "oom" if is_oom_text(stderr) else "failed"
     summary = {"status": status, "reason": reason, "returncode": returncode, "steps": last_step(stderr),
                "run_dir": str(point.run_dir), "tensorboard": str(point.run_dir / "tb"), "written_by": "memtrain.tools.sweep"}

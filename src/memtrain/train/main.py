@@ -13,6 +13,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     # DeepSpeed 0.19.8 calls torch.distributed collectives that torch 2.13 deprecates (all_gather_into_tensor,
     # reduce_scatter_tensor): every rank would print the notice, about code the user does not own
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    args = parse_args(argv)  # before the trainer's imports (seconds): --help and a bad flag answer at once
     from memtrain.train.trainer import train
 
-    train(parse_args(argv))
+    train(args)

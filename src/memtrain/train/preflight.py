@@ -35,7 +35,7 @@ from memtrain.model.pretrained import check_pretrained
 from memtrain.memory.target import compute_dtype
 from memtrain.memory.planner import predict_run
 from memtrain.units import GIB
-from memtrain.config.args import RunArgs, parse_args, parser
+from memtrain.config.args import RunArgs, parse_args, preflight_parser
 from memtrain.model.data import build_tokenizer, builder_for, resolve_files
 from memtrain.model import eval_data
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
@@ -542,14 +542,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     Silent with exit 0 when everything is fine; the packed corpus is cached for the workers.
     """
-    import os
-
     from memtrain.model.data import prepare_data
 
-    flags = parser("python -m memtrain preflight", "Every check of a run before any worker starts, and the corpus "
-                   "packed for its workers; silent with exit 0 when all is well.",
-                   world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    args = parse_args(sys.argv[1:] if argv is None else argv, flags)
+    args = parse_args(sys.argv[1:] if argv is None else argv, preflight_parser())
     check_run(args, args.world_size)
     recipe = args.recipe
     if not recipe.data.random_tokens:

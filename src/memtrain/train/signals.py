@@ -37,8 +37,8 @@ def install() -> None:
 # What starts ranks and can end without taking them along: DeepSpeed's runner (`deepspeed`) and its `launch.py`,
 # torchrun's agent, and `make train` above them. A shell or `nohup` is none of these: a run outlives the
 # terminal it was started from, as before.
-_LAUNCHER_MODULES = ("deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
-                     "torch.distributed.launch")
+_LAUNCHER_MODULES = ("deepspeed.launcher.launch", "deepspeed.launcher.runner", "memtrain.train.launch",
+                     "torch.distributed.run", "torch.distributed.launch")
 _LAUNCHER_PROGRAMS = ("deepspeed", "torchrun", "make", "gmake")
 _watching: list = []
 

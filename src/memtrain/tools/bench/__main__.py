@@ -1,7 +1,7 @@
-"""`python -m memtrain.tools.bench` (`make bench`, `make gpu-check`): set-ups side by side, each in its own process.
+"""`python -m memtrain bench` (`make bench`, `make gpu-check`): set-ups side by side, each in its own process.
 
-    python -m memtrain.tools.bench [--recipe YAML] [--setups a,b,...] [--steps N] [--no-search] [--out DIR]
-    python -m memtrain.tools.bench --gpu-check
+    python -m memtrain bench [--recipe YAML] [--setups a,b,...] [--steps N] [--no-search] [--out DIR]
+    python -m memtrain gpu-check (or python -m memtrain.tools.bench --gpu-check; flags: tools/flags.py)
 
 Every `memtrain:`/`deepspeed:` set-up is the trainer itself (`src/train.py`, the code a training
 run executes) run with bench settings: random tokens, `--steps` measured steps after the
@@ -35,13 +35,13 @@ import torch
 
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.config.recipe import load_recipe
-from memtrain.tools.bench.setups import DEFAULT_SETUPS, HELP, parse_setup
+from memtrain.tools.bench.setups import DEFAULT_SETUPS, parse_setup
+from memtrain.tools.flags import BENCH_RECIPE, GPU_CHECK_TIMEOUT_S, bench_parser, gpu_check_parser
 from memtrain.tools.bench.runner import TIMED_OUT, Runner
 from memtrain.train.checkpoint import atomic_write_text
 from memtrain.train.compile_choice import device_slug
 from memtrain.tools.bench.table import gpu_check_markdown, gpu_check_targets, markdown, targets
 
-DEFAULT_RECIPE = "recipes/llama-1b.yaml"
 SMOKE = ["model.config.num_hidden_layers=2", "data.seq_len=64", "train.micro_batch_size=2"]
 SMOKE_STEPS, SMOKE_WARMUP = 2, 1
 SEARCH_LIMIT = 256  # micro-batches beyond this are not probed
@@ -55,7 +55,6 @@ GPU_CHECK_SETUPS = ("torch:noac", "torch:hf-ac", "torch:sac", "deepspeed:cpu-ckp
                     "memtrain:none+compile", "memtrain:full+offload+compile", "memtrain:op+compile",
                     "memtrain:auto+compile")
 GPU_CHECK_STEPS, GPU_CHECK_WARMUP = 20, 10  # 30 steps each
-GPU_CHECK_TIMEOUT_S = 300  # a set-up takes ~50 s on one H100; a hung one must not take the rest's time
 # DeepSpeed 0.19.8's own cpu_checkpointing loses the checkpoint on a CPU accelerator: its copy "to CPU"
 # returns the same tensor, whose storage it then empties. It can only run on a GPU.
 GPU_ONLY = {"deepspeed:cpu-ckpt": "DeepSpeed's own cpu_checkpointing runs on a GPU only (on a CPU accelerator "
@@ -71,27 +70,6 @@ def double_until_oom(fits: Callable[[int], bool], start: int, limit: int = SEARC
             return {"fits": best, "oom_at": mb}
         best, mb = mb, mb * 2
     return {"fits": best, "oom_at": None}
-
-
-def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m memtrain.tools.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"shape to measure (default: {DEFAULT_RECIPE})")
-    p.add_argument("--setups", default=None, help=f"comma-separated: {HELP} (default: make bench's "
-                   f"{','.join(DEFAULT_SETUPS)}; with --gpu-check: all of its set-ups, in its order)")
-    p.add_argument("--deepspeed", default="ds_configs/zero3_ckpt.json", metavar="JSON",
-                   help="DeepSpeed JSON for the trainer set-ups")
-    p.add_argument("--steps", type=int, default=10, help="measured steps after warm-up (default 10)")
-    p.add_argument("--no-search", action="store_true", help="skip the largest-micro-batch probes")
-    p.add_argument("--gpu-check", action="store_true", help="the fixed GPU acceptance run (see the module doc)")
-    p.add_argument("--no-long", action="store_true", help="with --gpu-check: skip the long-sequence part")
-    p.add_argument("--resume", action="store_true", help="with --gpu-check: keep the set-ups this device's report "
-                   "already measured and run only the others (a run split across calls on the same machine); the "
-                   "long-sequence part runs whole each time, so pass --no-long until the last call")
-    p.add_argument("--setup-timeout", type=float, default=None, metavar="S", help="kill a set-up's process after "
-                   f"S seconds and go on (default: none; {GPU_CHECK_TIMEOUT_S:g} with --gpu-check)")
-    p.add_argument("--out", type=Path, default=None, help="where the table and JSON go "
-                   "(default reports/bench, or reports/gpu with --gpu-check)")
-    return p
 
 
 def setup_names(text: str) -> list[str]:
@@ -158,8 +136,8 @@ def gpu_check(args) -> None:
         return
     ngpus = torch.cuda.device_count()
     device = torch.cuda.get_device_name()
-    run = Runner(DEFAULT_RECIPE, [], args.deepspeed, GPU_CHECK_STEPS, GPU_CHECK_WARMUP, ngpus, timeout_s=timeout_s)
-    title = f"memtrain gpu-check: {DEFAULT_RECIPE} (seq 2048, bf16) with {args.deepspeed} on {ngpus} x {device}"
+    run = Runner(BENCH_RECIPE, [], args.deepspeed, GPU_CHECK_STEPS, GPU_CHECK_WARMUP, ngpus, timeout_s=timeout_s)
+    title = f"memtrain gpu-check: {BENCH_RECIPE} (seq 2048, bf16) with {args.deepspeed} on {ngpus} x {device}"
     out = args.out or Path("reports/gpu")
     results: list[dict] = measured_before(out, device, title, names) if args.resume else []
     if results:
@@ -218,10 +196,20 @@ def gpu_check(args) -> None:
 
 
 @cli_entry
+def gpu_check_main(argv=None) -> None:
+    """`python -m memtrain gpu-check`: bench's --gpu-check, under its own flags."""
+    run_bench(gpu_check_parser().parse_args(argv))
+
+
+@cli_entry
 def main(argv=None) -> None:
+    run_bench(bench_parser().parse_args(argv))
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    """make bench, or with args.gpu_check the GPU acceptance run."""
     from tqdm import tqdm
 
-    args = parser().parse_args(argv)
     if args.setup_timeout is not None and args.setup_timeout <= 0:
         raise UserError(f"--setup-timeout: must be positive seconds (got {args.setup_timeout:g})")
     if args.resume and not args.gpu_check:

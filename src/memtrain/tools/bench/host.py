@@ -1,6 +1,6 @@
 """`make bench-host`: memtrain's host work per step beside plain PyTorch, on one CPU core, in one run -> reports/host_overhead.md.
 
-    python -m memtrain.tools.bench.host [--setups a,b,...] [--steps N] [--repeats N] [--cores N] [--out DIR]
+    python -m memtrain bench-host [--setups a,b,...] [--steps N] [--repeats N] [--cores N] [--out DIR]
 
 Each set-up runs in its own process pinned to `--cores` cores (default 1), on the embedded tiny
 recipe (4 layers, hidden 128, seq 128), random tokens: shapes so small that kernels cost little and
@@ -116,12 +116,12 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     ax.set_title(textwrap.fill(title, 100), fontsize=8)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="#888888", label="plain PyTorch"),
-                       Patch(color="#d62728", label="memtrain without leaf layers / residency"),
-                       Patch(color="#1f77b4", label="memtrain")], fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+    fig.legend(handles=[Patch(color="#888888", label="plain PyTorch"),
+                        Patch(color="#d62728", label="memtrain without leaf layers / residency"),
+                        Patch(color="#1f77b4", label="memtrain")], fontsize=7, loc="lower center", ncol=3,
+               frameon=False)
     ax.set_xlim(0, max(values) * 1.1)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))  # the legend's strip, below the axis label
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -181,7 +181,7 @@ def run(names: list[str], steps: int, warmup: int, cores: int, out: Path, repeat
 
 
 def parser():
-    p = ArgumentParser(prog="python -m memtrain.tools.bench.host", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m memtrain bench-host", description=__doc__.splitlines()[0])
     p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated set-ups (as make bench names them)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per set-up after 5 warm-up steps (default 30)")
     p.add_argument("--repeats", type=int, default=3,

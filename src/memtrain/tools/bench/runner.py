@@ -19,7 +19,6 @@ from memtrain.config.ds_config import load_ds_config
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.bench.setups import parse_setup
 from memtrain.tools.sweep_points import free_port
-from memtrain.train.faults import is_oom_text
 
 TRAIN_PY = Path(__file__).resolve().parents[3] / "train.py"
 TIMED_OUT = "timed out"  # a set-up killed after its time limit: its error starts with this
@@ -102,6 +101,8 @@ class Runner:
         if proc.returncode is None:
             result.update(oom=False, error=f"{TIMED_OUT} after {self.timeout_s:g} s (killed)")
             return result
+        from memtrain.train.faults import is_oom_text  # here: faults imports torch, which --help must not wait for
+
         text = proc.stderr + proc.stdout
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
         result.update(oom=is_oom_text(text), error=" / ".join(tail) or f"exit {proc.returncode}")
