@@ -18,7 +18,7 @@ from memtrain.config.args import parse_args
 from memtrain.errors import UserError
 from memtrain.model import order
 from memtrain.tools.tb import read_scalars
-from memtrain.train import preflight, reshard
+from memtrain.train import checkpoint, preflight, reshard
 from memtrain.train.checkpoint import tag_for
 
 STEPS = 8
@@ -72,6 +72,9 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
         assert _close(after[key], straight[key][3:]), (key, after[key], straight[key])
     assert json.loads((down / "checkpoints" / tag_for(6) / "manifest.json").read_text()) == {
         "world_size": 1, "tp_size": 1, "samples": 48}
+    # the disk checks size a checkpoint as saved, without its universal copy
+    step3 = down / "checkpoints" / tag_for(3)
+    assert checkpoint.dir_bytes(step3) == sum(f.stat().st_size for f in step3.iterdir() if f.is_file())
 
     _refusals(whole, tmp_path)
 
