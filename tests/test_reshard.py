@@ -100,6 +100,9 @@ def _refusals(whole: Path, tmp_path: Path) -> None:
         reshard.check(step_dir, 2, 1, recipe, {**stage3, "zero_optimization": {"stage": 2}})
     with pytest.raises(UserError, match=r"without tensor or sequence parallelism only \(tensor_parallel.autotp_size 2"):
         reshard.check(step_dir, 2, 4, recipe, {**stage3, "tensor_parallel": {"autotp_size": 2}})
+    nvme = {**stage3, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}
+    with pytest.raises(UserError, match=r"offload_optimizer.device nvme keeps each rank's optimizer states"):
+        reshard.check(step_dir, 2, 1, recipe, nvme)
     old = tmp_path / "old" / tag_for(3)
     old.mkdir(parents=True)
     (old / "manifest.json").write_text(json.dumps({"world_size": 2, "tp_size": 1}))  # saved before "samples"

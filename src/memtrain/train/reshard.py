@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from memtrain.config.ds_config import tp_size, zero_stage
+from memtrain.config.ds_config import offload_device, tp_size, zero_stage
 from memtrain.errors import UserError
 from memtrain.model.order import resumed_shift
 from memtrain.train import checkpoint
@@ -27,6 +27,11 @@ def check(step_dir: Path, saved_world: int, world: int, recipe, ds_config: dict)
     tp, sequence = tp_size(ds_config), recipe.parallel.sequence
     if saved_world != world:
         _check_world(step_dir, saved_world, world, tp, sequence, zero_stage(ds_config))
+        if offload_device(ds_config, "optimizer") == "nvme":  # DeepSpeed copies each rank's swap files back
+            raise UserError(f"--resume: {step_dir} was saved by {saved_world} ranks, this launch has {world}; "
+                            "zero_optimization.offload_optimizer.device nvme keeps each rank's optimizer states in "
+                            "its own swap files, which DeepSpeed's universal loading does not read: relaunch with "
+                            f"{saved_world}")
     samples = checkpoint.saved_samples(step_dir)
     t = recipe.train
     per_step = t.grad_accum_steps * t.micro_batch_size * max(world // (tp * sequence), 1)
