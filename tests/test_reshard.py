@@ -1,5 +1,6 @@
 """A run resumed on another world size (through DeepSpeed's universal checkpoint) continues as a straight run: 2 CPU
-ranks -> 1 and 1 -> 2, real launcher, against the TensorBoard losses and learning rates of an uninterrupted 2-rank run.
+ranks -> 1 and 1 -> 2, real launcher, against the TensorBoard losses and learning rates of an uninterrupted 2-rank run;
+on another batch, against a plain forward of the checkpoint's weights on the samples that come next.
 
 The resume keeps the global batch (train.grad_accum_steps scaled), so the next steps read the samples the straight
 run read (memtrain.model.order). Observed equal to the last bit on CPU float32 (two micro-batches summed in one
@@ -78,6 +79,19 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
 
     _refusals(whole, tmp_path)
 
+    # 2 ranks -> 1 at step 3 with another batch (grad_accum 1: 4 samples a step): step 4 reads the samples after the
+    # 24 read, [24, 28); measured against the step-3 weights' loss on those rows, computed here (without the shift
+    # it would read [12, 16), the rows of step 4 of a straight 4-a-step run)
+    other = _copy_at(whole, tmp_path / "other-batch", 3)
+    resumed = run_train(["--run-dir", str(other), "--resume", "--max-steps", "4", "--set", "train.grad_accum_steps=1"])
+    assert_ok(resumed)
+    assert _line(resumed.stdout, "resume data:") == (
+        "resume data: 24 samples read in 3 steps; step 4 reads samples [24, 28) (4 a step), the rows a straight run "
+        "of this batch reads at step 7")
+    [(step, loss)] = read_scalars(other / "tb")["train/loss"]
+    expected = _loss_on_samples(other, 24, 4)
+    assert step == 4 and math.isclose(loss, expected, rel_tol=1e-5), (loss, expected, _loss_on_samples(other, 12, 4))
+
     # 1 rank -> 2 at step 6: the preflight (what `make train` runs first) converts; the workers reuse it
     up = _copy_at(down, tmp_path / "up", 6)
     preflight.main(["--world-size", "2", "--run-dir", str(up), "--resume"])
@@ -89,6 +103,29 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
     after = read_scalars(up / "tb")
     for key in ("train/loss", "train/lr"):
         assert _close(after[key], straight[key][6:]), (key, after[key], straight[key])
+
+
+def _loss_on_samples(run: Path, first: int, count: int) -> float:
+    """The mean token loss of the step-3 weights (the universal copy's fp32 tensors) on global samples
+    [first, first + count), in one plain forward."""
+    import torch
+
+    from memtrain.model.build import build_config, build_model
+    from memtrain.model.data import build_tokenizer, prepare_data
+
+    recipe = parse_args(["--run-dir", str(run), "--resume"]).recipe
+    config = build_config(recipe.model, build_tokenizer(recipe.data.tokenizer).vocab_size, recipe.data.seq_len)
+    model = build_model(recipe.model, config).float().eval()
+    own = dict(model.named_parameters())
+    zero = run / "checkpoints" / tag_for(3) / "universal" / "zero"
+    state = {}
+    for param in (p for p in zero.iterdir() if p.is_dir()):
+        saved = torch.load(param / "fp32.pt", weights_only=False)
+        state[param.name] = (saved["param"] if isinstance(saved, dict) else saved).view(own[param.name].shape)
+    assert model.load_state_dict(state, strict=False) == ([], [])
+    rows = prepare_data(recipe.data, recipe.train.seed).batch(first // count, 0, 0, 1, count, 1)
+    with torch.no_grad():
+        return model(input_ids=rows, labels=rows).loss.item()
 
 
 def _refusals(whole: Path, tmp_path: Path) -> None:
@@ -109,7 +146,7 @@ def _refusals(whole: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"saved before memtrain recorded the samples read"):
         reshard.check(old, 2, 1, recipe, stage3)
     # wired into the preflight: 64 samples read by step 8, steps of 5 x 4 samples on one rank do not divide them
-    run = tmp_path / "odd"
+    run = tmp_path / "indivisible"
     shutil.copytree(whole, run)
     args = parse_args(["--run-dir", str(run), "--resume", "--max-steps", "10", "--set", "train.grad_accum_steps=5"])
     with pytest.raises(UserError, match=r"saved after 64 samples, which is not a whole number of this launch's steps "
