@@ -105,8 +105,9 @@ def _convert(step_dir: Path, out: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
         last = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()[-1]
         if "No space left" in last or "Disk quota" in last:
-            raise UserError(f"--resume: disk full converting {step_dir} to DeepSpeed's universal format (about 1.5x "
-                            f"its size: {checkpoint.dir_bytes(step_dir) / 2**30:.2f} GiB): free space first")
+            raise UserError(f"--resume: disk full converting {step_dir} to DeepSpeed's universal format (a copy of "
+                            "the whole fp32 weights and Adam moments, measured 1.5x the checkpoint for the tiny model; "
+                            f"this one is {checkpoint.dir_bytes(step_dir) / 2**30:.2f} GiB): free space first")
         raise UserError(f"--resume: converting {step_dir} to DeepSpeed's universal format failed: {last} "
                         f"({' '.join(cmd)})")
 
