@@ -10,7 +10,7 @@ from typing import Optional
 from memtrain.errors import ArgumentParser, UserError
 from memtrain.config.recipe import Recipe, load_recipe
 from memtrain.config.ds_config import load_ds_config
-from memtrain.config.saved_run import SavedRun, read_saved, resume_changes
+from memtrain.config.saved_run import GRAD_ACCUM, SavedRun, kept_global_batch, read_saved, resume_changes
 
 DEFAULT_DS_CONFIG = "ds_configs/zero3_ckpt.json"
 
@@ -90,11 +90,19 @@ def parse_args(argv: Optional[list[str]] = None, flags: Optional[argparse.Argume
 def _resumed(args: argparse.Namespace, overrides: list[str], saved: SavedRun, world_size: Optional[int]) -> RunArgs:
     """--resume continues the run that was started: its saved recipe and JSON, changed only by what this command line
     gives (a --recipe or --deepspeed file replaces the saved one; --set and --max-steps apply on top)."""
-    recipe = load_recipe(args.recipe, overrides, saved=(f"{saved.path}'s recipe", saved.recipe))
     ds_path = args.deepspeed or saved.ds_config_path or DEFAULT_DS_CONFIG
     # a config.json older than deepspeed_as_written: the JSON is read again from where the run read it
     ds_config = load_ds_config(ds_path) if args.deepspeed or saved.ds_config is None else saved.ds_config
+    # another world size: the global batch kept where it can be (the next steps read what a straight run would)
+    world = world_size or int(os.environ.get("WORLD_SIZE", 1))
+    accum = None if args.recipe else kept_global_batch(saved, ds_config, world, overrides)
+    if accum is not None:
+        overrides = [*overrides, f"{GRAD_ACCUM}={accum}"]
+    recipe = load_recipe(args.recipe, overrides, saved=(f"{saved.path}'s recipe", saved.recipe))
     found = resume_changes(saved, recipe.model_dump(), ds_config)
+    if accum is not None:
+        found = [f"{c} (keeps the global batch on {world} ranks instead of {saved.world_size}; --set "
+                 f"{GRAD_ACCUM}=N to choose)" if c.startswith(f"recipe: {GRAD_ACCUM} ") else c for c in found]
     return RunArgs(recipe, ds_config, ds_path, args.run_dir, True, args.overwrite,
                    args.recipe or f"{saved.path}'s recipe", world_size, tuple(found))
 

@@ -28,6 +28,7 @@ class SavedRun:
     recipe: dict  # the validated recipe, every key (Recipe.model_dump)
     ds_config: Optional[dict]  # the DeepSpeed JSON as written; None in a config.json older than this key
     ds_config_path: str
+    world_size: Optional[int] = None  # the ranks its last segment ran on
 
 
 def read_saved(run_dir: Path) -> Optional[SavedRun]:
@@ -40,8 +41,9 @@ def read_saved(run_dir: Path) -> Optional[SavedRun]:
     if not isinstance(record, dict) or not isinstance(record.get("recipe"), dict):
         return None
     written = record.get("deepspeed_as_written")
+    world = record.get("world_size")
     return SavedRun(path, record["recipe"], written if isinstance(written, dict) else None,
-                    str(record.get("deepspeed_path") or ""))
+                    str(record.get("deepspeed_path") or ""), world if isinstance(world, int) else None)
 
 
 def changes(before: dict, after: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -79,3 +81,20 @@ def resume_changes(saved: SavedRun, recipe: dict, ds_config: dict) -> list[str]:
             raise UserError(f"--resume: {name}: {_shown(a)} -> {_shown(b)} ({flag}) changes what the run's model "
                             f"checkpoints hold; keep the run's value ({saved.path}) or train into a new --run-dir")
     return [f"{key} {_shown(a)} -> {_shown(b)}" for key, a, b in found]
+
+
+GRAD_ACCUM = "train.grad_accum_steps"
+
+
+def kept_global_batch(saved: SavedRun, ds_config: dict, world: int, overrides: list[str]) -> Optional[int]:
+    """The train.grad_accum_steps that keeps the run's global batch (and so its per-step samples and the data's
+    order, memtrain.model.order) on `world` ranks instead of the saved ones; None where the world is the same,
+    the user set it (--set), the JSON fixes the batch, or no whole number does."""
+    if saved.world_size is None or saved.world_size == world or any(o.startswith(GRAD_ACCUM + "=") for o in overrides):
+        return None
+    if any(ds_config.get(k, "auto") != "auto" for k in ("gradient_accumulation_steps", "train_batch_size")):
+        return None
+    accum = saved.recipe.get("train", {}).get("grad_accum_steps")
+    if not isinstance(accum, int) or accum * saved.world_size % world:
+        return None  # (the data-parallel size scales with the world: TP and Ulysses sizes cannot change on resume)
+    return accum * saved.world_size // world

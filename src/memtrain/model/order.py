@@ -40,3 +40,14 @@ def step_rows(n: int, seed: int, step: int, world: int, micro_batch: int, grad_a
     """Every row that `step` reads, on all its micro-steps and all `world` data ranks."""
     per_step = grad_accum * world * micro_batch
     return rows(n, seed, step * per_step, per_step)
+
+
+def resumed_shift(resumed_at: int, samples: int, per_step: int) -> int | None:
+    """The data position of a resumed segment, as a shift of the step: a run that resumes after `samples` global
+    samples at step `resumed_at`, reading `per_step` samples a step from then on, reads at step s the samples
+    [samples + (s - resumed_at) * per_step, + per_step), which are the rows `step_rows`/`micro_rows` give for step
+    s + shift. None where `samples` is not a whole number of the new steps (no step of the order starts there).
+    A straight run, and a resume that keeps per_step, has shift 0: its rows are unchanged."""
+    if samples % per_step:
+        return None
+    return samples // per_step - resumed_at

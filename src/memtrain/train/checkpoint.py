@@ -74,8 +74,13 @@ def weights_finite(engine) -> bool:
 ADAM_BYTES_PER_PARAM = 12  # DeepSpeed's fp32 master copy and Adam's two fp32 moments
 
 
+UNIVERSAL = "universal"  # in a step directory: that checkpoint in DeepSpeed's universal format (train/reshard.py)
+
+
 def dir_bytes(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    """A checkpoint's bytes as saved (its universal copy, made for a resume on another world size, not counted)."""
+    universal = directory / UNIVERSAL
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file() and universal not in f.parents)
 
 
 def space_needed(engine, checkpoint_dir: Path, tp_size: int = 1) -> tuple[int, str]:
@@ -114,8 +119,10 @@ def remove_partial(checkpoint_dir: Path, step: int) -> None:
 MANIFEST = "manifest.json"  # in each step directory: the world it was saved by, so a missing rank's files show
 
 
-def save(engine, checkpoint_dir: Path, step: int, keep_last: int, tp_size: int = 1) -> str:
-    """Save model, optimizer, scheduler and RNG state after `step` completed steps."""
+def save(engine, checkpoint_dir: Path, step: int, keep_last: int, tp_size: int = 1,
+         samples: Optional[int] = None) -> str:
+    """Save model, optimizer, scheduler and RNG state after `step` completed steps, which read `samples` global
+    samples (memtrain.model.order: where a resume on another batch size continues)."""
     import json
 
     import deepspeed.comm as dist
@@ -131,7 +138,8 @@ def save(engine, checkpoint_dir: Path, step: int, keep_last: int, tp_size: int =
     torch.save(_rng_state(), checkpoint_dir / tmp_tag / f"rng_rank{rank}.pt")
     if rank == 0:  # what a complete checkpoint of this run holds: every rank's files (`damage`)
         atomic_write_text(checkpoint_dir / tmp_tag / MANIFEST,
-                          json.dumps({"world_size": dist.get_world_size(), "tp_size": tp_size}))
+                          json.dumps({"world_size": dist.get_world_size(), "tp_size": tp_size}
+                                     | ({} if samples is None else {"samples": samples})))
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
         final = checkpoint_dir / tag
@@ -172,17 +180,28 @@ def latest_path(checkpoint_dir: Optional[Path]) -> Optional[Path]:
     return checkpoint_dir / tag if tag else None
 
 
-def load(engine, checkpoint_dir: Path) -> int:
-    """Restore the newest intact checkpoint into `engine`; returns the number of completed steps. Rank 0 decides
-    which one, after reading every file's zip directory; every rank loads that one (a node whose view of the
-    directory is stale cannot load another step), and no other rank opens a file it does not load."""
+def chosen_point(checkpoint_dir: Path) -> "ResumePoint":
+    """The checkpoint every rank resumes from: rank 0's choice, after reading every file's zip directory (a node
+    whose view of the directory is stale cannot load another step; no other rank opens a file it does not load)."""
     import deepspeed.comm as dist
 
     chosen = [resume_point(checkpoint_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
-    point = chosen[0]
+    return chosen[0]
+
+
+def load(engine, checkpoint_dir: Path, point: Optional["ResumePoint"] = None) -> int:
+    """Restore the newest intact checkpoint (`chosen_point`, or `point` where the caller chose it so) into `engine`;
+    returns the number of completed steps. A checkpoint saved by another world size loads from its universal copy
+    (`<tag>/universal`, made by memtrain.train.reshard) with DeepSpeed's `load_universal` on for that load."""
+    import deepspeed.comm as dist
+
+    point = point or chosen_point(checkpoint_dir)
     tag = point.tag
-    _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+    if point.world_size == dist.get_world_size():
+        _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+    else:
+        client_state = _load_universal(engine, checkpoint_dir / tag)
     rng_file = checkpoint_dir / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -194,6 +213,19 @@ def load(engine, checkpoint_dir: Path) -> int:
                 target, n = checkpoint_dir / f"{DAMAGED_PREFIX}{skipped}.{n}", n + 1
             os.replace(checkpoint_dir / skipped, target)
     return int(client_state["step"])
+
+
+def _load_universal(engine, step_dir: Path) -> dict:
+    """DeepSpeed's universal loading (config key checkpoint.load_universal), set on the engine's config for this
+    load only: each rank takes its new ZeRO partition of every parameter and optimizer state from the whole
+    tensors in `step_dir/universal/zero`; the scheduler and step counter come from its model states file."""
+    config = engine._config  # DeepSpeed reads the flag there (engine.load_universal_checkpoint())
+    config.load_universal_checkpoint = True
+    try:
+        _, client_state = engine.load_checkpoint(str(step_dir), tag=UNIVERSAL)
+    finally:
+        config.load_universal_checkpoint = False
+    return client_state
 
 
 def has_checkpoint(checkpoint_dir: Optional[Path]) -> bool:
@@ -272,6 +304,16 @@ def _shard_names(files: list[Path], world: int, tp: Optional[int] = None) -> lis
     kinds = sorted({m.group(3) for m in shards if int(m.group(1)) == 0 and int(m.group(2)) == 0})
     return [f"zero_pp_rank_{dp}_mp_rank_{mp:0{width}d}_{kind}"
             for dp in range(max(world // mp_size, 1)) for mp in range(mp_size) for kind in kinds]
+
+
+def saved_samples(step_dir: Path) -> Optional[int]:
+    """The global samples read before the checkpoint was saved; None for one saved before memtrain recorded it."""
+    import json
+
+    try:
+        return int(json.loads((step_dir / MANIFEST).read_text())["samples"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def saved_world_size(step_dir: Path) -> int:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from memtrain.train import checkpoint, long_context
+from memtrain.train import checkpoint, long_context, reshard
 from memtrain.train import run_dir as run_dirs
 from memtrain.train.node import agent_ranks, holds_rank0
 from memtrain.train.resume_check import check_resume, check_shapes
@@ -323,7 +323,7 @@ def check_run_dir(args: RunArgs, world_size: int) -> Optional[checkpoint.ResumeP
     if run_dir is not None:
         run_dirs.check_not_in_use(run_dir)
     if args.resume:
-        return check_resume(run_dir, world_size, args.recipe.train.max_steps)
+        return check_resume(run_dir, world_size, args.recipe.train.max_steps, args.recipe, args.ds_config)
     if run_dir and not args.overwrite and run_dirs.holds_run(run_dir):
         raise UserError(f"--run-dir {run_dir}: already holds a run; pass --resume to continue it "
                         "or --overwrite to replace it")
@@ -546,6 +546,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     args = parse_args(sys.argv[1:] if argv is None else argv, preflight_parser())
     check_run(args, args.world_size)
+    if args.resume:  # a checkpoint of another world size: converted here, once (memtrain.train.reshard)
+        reshard.prepare(args.run_dir / "checkpoints", args.world_size)
     recipe = args.recipe
     if not recipe.data.random_tokens:
         prepare_data(recipe.data, recipe.train.seed)

@@ -1,19 +1,24 @@
-"""Is a run directory fit for `--resume`: an intact model checkpoint, the same world size, steps
-left to train, and a recipe whose model has the checkpoint's parameter shapes."""
+"""Is a run directory fit for `--resume`: an intact model checkpoint, the same world size (or another that
+memtrain.train.reshard converts for), steps left to train, and a recipe whose model has the checkpoint's
+parameter shapes."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from memtrain.errors import UserError, is_rank_zero
 from memtrain.units import GIB
-from memtrain.train import checkpoint
+from memtrain.train import checkpoint, reshard
 from memtrain.train.run_dir import ASIDE
 
 
-def check_resume(run_dir: Path, world_size: int, max_steps: int) -> checkpoint.ResumePoint:
+def check_resume(run_dir: Path, world_size: int, max_steps: int, recipe=None,
+                 ds_config: Optional[dict] = None) -> checkpoint.ResumePoint:
+    """The checkpoint to resume from, or one line why not; with the launch's `recipe` and `ds_config`, a checkpoint
+    of another world size is accepted where memtrain.train.reshard can convert it (else refused)."""
     checkpoint_dir = run_dir / "checkpoints"
     if not checkpoint.has_checkpoint(checkpoint_dir) and checkpoint.has_checkpoint(run_dir / ASIDE / "checkpoints"):
         raise UserError(f"--resume: no model checkpoint in {checkpoint_dir}; an interrupted --overwrite left the earlier "
@@ -24,7 +29,9 @@ def check_resume(run_dir: Path, world_size: int, max_steps: int) -> checkpoint.R
     # from the choice (finished? room for the next save?) is rank 0's to say
     rank0 = is_rank_zero()
     point = checkpoint.resume_point(checkpoint_dir, open_files=rank0)
-    if point.world_size != world_size:
+    if recipe is not None:  # another world size: through DeepSpeed's universal checkpoint, where it can
+        reshard.check(checkpoint_dir / point.tag, point.world_size, world_size, recipe, ds_config)
+    elif point.world_size != world_size:
         raise UserError(f"--resume: {checkpoint_dir / point.tag} was saved by {point.world_size} ranks, this launch has "
                         f"{world_size}; ZeRO checkpoints are per rank, relaunch with {point.world_size}")
     if not rank0:

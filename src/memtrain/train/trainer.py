@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from memtrain.train import checkpoint
+from memtrain.train import checkpoint, reshard
 from memtrain.train import run_dir as run_dirs
 from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
@@ -290,6 +290,7 @@ class _Steps:
     probe: Any
     compiles: Any  # memtrain.recompute.compiled.CompileWatch under train.compile, else None
     last_eval: Any = None  # memtrain.train.evaluate.EvalResult of the last eval, or None
+    shift: int = 0  # the data's step is the step + shift (a resume on another batch size: train/reshard.py)
 
 
 def _start(args: RunArgs, progress: RunPosition) -> _Run:
@@ -394,7 +395,11 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     t = recipe.train
     sp, device = run.longctx.sp, engine.device  # every tensor that meets a collective lives on `device`
     rng.seed_everything(t.seed, layout, rank)  # dropout streams: one per data-parallel rank (a TP group shares it)
-    start = checkpoint.load(engine, run_dir / "checkpoints") if args.resume else 0  # restores the RNG streams too
+    # restores the RNG streams too; a checkpoint of another world size through its universal copy (train/reshard.py)
+    resumed = reshard.resume(engine, run_dir / "checkpoints", _samples_per_step(t, layout)) if args.resume else None
+    start, shift = (resumed.step, resumed.shift) if resumed else (0, 0)  # the data reads step + shift
+    if resumed and resumed.line and rank == 0:
+        print(resumed.line, flush=True)
     progress.step = start
 
     flops_per_token = model_flops_per_token(config, recipe.data.seq_len)
@@ -436,12 +441,13 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
         measure = step == interval_start  # activation bytes of one forward per interval
         loss_sum = torch.zeros((), device=device)
         # the step's labelled tokens, every rank's, from the data itself (no collective): the loss is their mean
-        divisor = layout.loss_divisor(data.labelled_tokens(step, layout.dp_size, t.micro_batch_size,
+        divisor = layout.loss_divisor(data.labelled_tokens(step + shift, layout.dp_size, t.micro_batch_size,
                                                            t.grad_accum_steps), t.grad_accum_steps)
         count_ops = probe is not None and step == start + 2  # one step, after ZeRO-3 recorded its trace
         with OpCounter() if count_ops else nullcontext() as ops:
             for micro in range(t.grad_accum_steps):
-                batch = data.batch(step, micro, layout.dp_rank, layout.dp_size, t.micro_batch_size, t.grad_accum_steps)
+                batch = data.batch(step + shift, micro, layout.dp_rank, layout.dp_size, t.micro_batch_size,
+                                   t.grad_accum_steps)
                 if count_real:
                     interval_tokens += batch.pop("tokens")
                 ids = to_device(batch, device)
@@ -515,7 +521,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
         if t.save_checkpoints and done < t.max_steps and (
                 agreement.save_due or (t.save_interval and done % t.save_interval == 0)):
             saving = time.monotonic()
-            _save_checked(engine, run_dir, done, t, layout.tp)
+            _save_checked(engine, run_dir, done, t, layout, shift)
             deadline.save_s = time.monotonic() - saving
             agreement.saved()
         reset_device_peak()
@@ -524,7 +530,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     agreement.close()
 
     return _Steps(start, done, status, stop_signal, last_loss, history, measured_steps, started, probe, compiles,
-                  last_eval)
+                  last_eval, shift)
 
 
 def _finish(run: _Run, steps: _Steps) -> dict:
@@ -537,7 +543,7 @@ def _finish(run: _Run, steps: _Steps) -> dict:
     start, done, status, last_loss = steps.start, steps.done, steps.status, steps.last_loss
     completed = done if status == "preempted" else t.max_steps
     if t.save_checkpoints and completed > start:  # a stop during start-up trained nothing: nothing to save
-        _save_checked(engine, run_dir, completed, t, layout.tp)
+        _save_checked(engine, run_dir, completed, t, layout, steps.shift)
     if t.save_checkpoints and status == "completed":  # final/: loads with transformers' from_pretrained
         save_final(engine, engine.module, run_dir / "final", recipe, lambda: build_model(recipe.model, config))
     summary = {
@@ -650,9 +656,16 @@ def _stopped_in_start_up(device, world: int) -> Optional[str]:
     return (signals.received() or stopped[0]) if stopped else None
 
 
-def _save_checked(engine, run_dir: Path, step: int, t, tp_size: int) -> None:
+def _samples_per_step(t, layout) -> int:
+    """Global samples one optimizer step reads (memtrain.model.order)."""
+    return t.grad_accum_steps * t.micro_batch_size * layout.dp_size
+
+
+def _save_checked(engine, run_dir: Path, step: int, t, layout, shift: int) -> None:
     """A model checkpoint of finite weights only (so "last good checkpoint" always names a usable one), and only
-    where it fits: the ranks agree on both before anyone writes, so a full disk is one line, not a torn save."""
+    where it fits: the ranks agree on both before anyone writes, so a full disk is one line, not a torn save. The
+    manifest records the samples read, where a resume on another batch size continues."""
+    tp_size = layout.tp
     import deepspeed.comm as dist
 
     if not checkpoint.weights_finite(engine):
@@ -665,7 +678,8 @@ def _save_checked(engine, run_dir: Path, step: int, t, tp_size: int) -> None:
     if short.item():
         raise RunFailed(disk_full_message(step, run_dir, needed, how, free))
     try:
-        checkpoint.save(engine, checkpoint_dir, step, t.keep_last, tp_size)
+        samples = (step + shift) * _samples_per_step(t, layout)
+        checkpoint.save(engine, checkpoint_dir, step, t.keep_last, tp_size, samples)
     except (OSError, RuntimeError) as e:  # filled by someone else meanwhile: this rank cannot go on
         if not checkpoint.is_disk_full(e):
             raise
