@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FAST, ROOT, assert_ok, run_train
+from conftest import EVAL_PATHS, FAST, ROOT, assert_ok, run_train
 from memtrain.config.args import parse_args
 from memtrain.errors import UserError
 from memtrain.model import order
@@ -24,7 +24,9 @@ from memtrain.train.checkpoint import tag_for
 
 STEPS = 8
 ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--set", "train.keep_last=5",
-        "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json")]
+        "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
+        # held-out loss every 4 steps over one global batch of rows: the same rows on any world size that keeps it
+        "--set", EVAL_PATHS, "--set", "train.eval_every=4", "--set", "train.eval_batches=1"]
 
 
 def _copy_at(run: Path, copy: Path, step: int) -> Path:
@@ -71,6 +73,7 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
     after = read_scalars(down / "tb")
     for key in ("train/loss", "train/lr"):
         assert _close(after[key], straight[key][3:]), (key, after[key], straight[key])
+    assert _close(after["eval/loss"], straight["eval/loss"]), (after["eval/loss"], straight["eval/loss"])  # 4 and 8
     assert json.loads((down / "checkpoints" / tag_for(6) / "manifest.json").read_text()) == {
         "world_size": 1, "tp_size": 1, "samples": 48}
     # the disk checks size a checkpoint as saved, without its universal copy
@@ -103,6 +106,7 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
     after = read_scalars(up / "tb")
     for key in ("train/loss", "train/lr"):
         assert _close(after[key], straight[key][6:]), (key, after[key], straight[key])
+    assert _close(after["eval/loss"], straight["eval/loss"][1:]), (after["eval/loss"], straight["eval/loss"])  # 8
 
 
 def _loss_on_samples(run: Path, first: int, count: int) -> float:

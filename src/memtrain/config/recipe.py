@@ -213,8 +213,9 @@ class TrainSection(_Strict):
     """Evaluate the held-out data (data.eval_paths) every N steps; it is always evaluated at the last step. The
     token-weighted eval/loss and eval/perplexity go to TensorBoard, the bar, summary.json and the final line."""
     eval_batches: PositiveInt = 8
-    """Micro-batches each data-parallel rank evaluates per eval pass (fewer when the eval data holds fewer rows).
-    The same rows every time, in order: evals of one run, and of a resumed one, compare."""
+    """Global batches (an optimizer step's rows each, as Megatron's eval-iters) per eval pass; fewer when the eval
+    data holds fewer rows. The same rows every time, in order: evals of one run, of a resumed one, and of one
+    resumed on another world size (which keeps the global batch) compare."""
     peak_tflops: Optional[PositiveFloat] = None
     """Peak dense TFLOP/s of one device, for MFU. Auto-detected for known GPUs."""
     compile: Union[bool, Literal["auto"]] = False

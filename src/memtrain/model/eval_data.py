@@ -47,14 +47,17 @@ def prepare_eval_data(data: DataSection, seed: int, build: bool = True):
     return prepare_data(eval_section(data), seed, build=build)
 
 
-def batches_per_rank(rows: int, asked: int, dp_size: int, micro_batch: int, source: str = "data.eval_paths") -> int:
-    """Eval micro-batches each data rank reads: train.eval_batches, or fewer when the eval data holds fewer rows
-    (every rank reads the same number, so the ranks meet in the reduction). None fit: one line."""
+def batches_per_rank(rows: int, asked: int, dp_size: int, micro_batch: int, grad_accum: int,
+                     source: str = "data.eval_paths") -> int:
+    """Eval micro-batches each data rank reads: train.eval_batches global batches (Megatron's eval-iters: an
+    optimizer step's rows, micro-batch x accumulation x data ranks, each), or fewer when the eval data holds fewer
+    rows (every rank reads the same number, so the ranks meet in the reduction). So an eval reads the same rows
+    on any world size that keeps the global batch (a resume on another world size does). None fit: one line."""
     fit = rows // (dp_size * micro_batch)
     if fit == 0:
         raise UserError(f"{source}: the eval data packs into {rows} row(s), fewer than one eval batch "
                         f"({dp_size} data rank(s) x micro-batch {micro_batch}); add held-out text")
-    return min(asked, fit)
+    return min(asked * grad_accum, fit)
 
 
 def micro_rows(index: int, dp_rank: int, dp_size: int, micro_batch: int) -> np.ndarray:

@@ -554,7 +554,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     held_out = eval_data.prepare_eval_data(recipe.data, recipe.train.seed)
     if held_out is not None:  # enough eval rows for one batch on every data rank
         dp_size = args.world_size // (tp_size(args.ds_config) * recipe.parallel.sequence)
-        eval_data.batches_per_rank(len(held_out), recipe.train.eval_batches, dp_size, recipe.train.micro_batch_size)
+        eval_data.batches_per_rank(len(held_out), recipe.train.eval_batches, dp_size, recipe.train.micro_batch_size,
+                                   recipe.train.grad_accum_steps)
 
 
 if __name__ == "__main__":

@@ -409,7 +409,7 @@ def _steps(run: _Run, progress: RunPosition) -> _Steps:
     tokens_per_step = layout.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, recipe.data.seq_len)
     every = log_every(t, args.ds_config)
     eval_batches = 0 if run.eval_data is None else \
-        batches_per_rank(len(run.eval_data), t.eval_batches, layout.dp_size, t.micro_batch_size)
+        batches_per_rank(len(run.eval_data), t.eval_batches, layout.dp_size, t.micro_batch_size, t.grad_accum_steps)
     last_eval = None
     meter = ActivationMeter()
     timer = IntervalTimer(device)
