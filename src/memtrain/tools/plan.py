@@ -256,13 +256,31 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-seq", action="store_true",
                    help="with --budget: the longest sequence that fits per policy x offload x loss x tiled MLP x "
                         "sequence parallelism, and whether device or host memory runs out first")
-    p.add_argument("--host-budget", help="host memory per node for --max-seq (default: this machine's)")
+    p.add_argument("--host-budget", help="host memory per node for --max-seq (default: this machine's; with "
+                                          "--search: 80%% of the sheet's host RAM)")
+    p.add_argument("--search", action="store_true",
+                   help="search ZeRO stage x offloads x TP x SP x micro-batch x per-layer recompute for a cluster "
+                        "(needs --hardware, --nodes, --global-batch-tokens; --budget defaults to 95%% of the GPU's)")
+    p.add_argument("--hardware", metavar="YAML", help="--search: a node's hardware sheet (hardware/*.yaml)")
+    p.add_argument("--calibration", metavar="YAML",
+                   help="--search: measured figures over the sheet's (default: hardware/calibration/<sheet>.yaml)")
+    p.add_argument("--nodes", type=int, help="--search: nodes")
+    p.add_argument("--global-batch-tokens", type=int, metavar="T", help="--search: tokens per optimizer step")
+    p.add_argument("--top", type=int, default=15, help="--search: rows of the ranked table (default 15)")
+    p.add_argument("--out", metavar="DIR", help="--search: where the winner goes (default plans/<recipe>-<sheet>-<N>n)")
     args = p.parse_args(argv)
     if args.ngpus < 1:
         raise UserError(f"--ngpus: must be positive (got {args.ngpus})")
     budget = parse_size(args.budget, "--budget") if args.budget else None
     recipe = load_recipe(args.recipe, args.overrides)
     ds_config = load_ds_config(args.deepspeed)
+    if args.search:
+        from memtrain.tools.plan_search import run_search
+
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the result
+            import deepspeed  # noqa: F401  (its import-time log lines)
+        run_search(args, recipe, ds_config)
+        return
     from memtrain.train.parallel import check_tensor_parallel
 
     check_tensor_parallel(ds_config, args.deepspeed, model_and_config(recipe), args.ngpus)

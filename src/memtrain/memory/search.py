@@ -1,0 +1,367 @@
+"""The whole-configuration search: every ZeRO stage, offload, TP, SP, micro-batch and recompute plan, scored.
+
+For a recipe on `nodes` nodes of a hardware sheet and a fixed number of tokens per optimizer step
+(global tokens = micro-batch x sequence x gradient accumulation x data-parallel ranks), it enumerates
+
+  TP (AutoTP: divides the GPUs of a node, the heads and the KV heads)
+  x SP (Ulysses: divides the world, the heads and the sequence; memtrain runs TP or SP, not both)
+  x activation offload (the JSON's cpu_checkpointing: on or off)
+  x ZeRO stage 0-3 x offload_optimizer (stage >= 1) x offload_param (stage 3)
+  x micro-batch (gradient accumulation follows from the global batch)
+
+and for each the per-layer recompute/offload plan of `memtrain.memory.planner.solve` (exact, the
+solver `policy: auto` runs) under the GPU budget. Each configuration's target, model states and
+peak come from the memory model the trainer and `make plan` use (`make_target`, `model_states`,
+`predict`); its step time from `memtrain.memory.step_time`. The activation profile is measured once
+per (TP, SP, offload) family at micro-batch 1 and scaled (activations are linear in the batch).
+What cannot run is dropped with its reason counted.
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+import bisect
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from memtrain.config.zero3 import resident
+from memtrain.memory.comm_volume import Layout, ModelShape, step_collectives
+from memtrain.memory.flops import model_flops_per_token
+from memtrain.memory.hardware import Hardware
+from memtrain.memory.planner import activation_limit, available_choices, choice_seconds, may_offload, solve
+from memtrain.memory.predict import LayerChoice, Prediction, predict
+from memtrain.memory.profile import ActivationProfile, profile_activations
+from memtrain.memory.rates import Rates
+from memtrain.memory.states import ModelStates, keeps_gathered, model_states, persistent_elements, zero_config
+from memtrain.memory.step_time import StepTime, optimizer_seconds, step_time
+from memtrain.memory.target import Target, make_target, model_and_config, recompute_spec
+
+# The GPU budget when none is given: this share of the sheet's memory (CUDA's context, the
+# allocator's fragmentation, which max_memory_allocated does not show, live in the rest).
+MEMORY_HEADROOM = 0.95
+# The host budget: this share of a node's RAM for its ranks' offloaded states and activations.
+HOST_HEADROOM = 0.8
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# (stage, offload_optimizer, offload_param): what DeepSpeed accepts
+ZERO_VARIANTS = ((0, False, False), (1, False, False), (1, True, False), (2, False, False), (2, True, False),
+                 (3, False, False), (3, True, False), (3, False, True), (3, True, True))
+
+
+@dataclass(frozen=True)
+class Config:
+    """The eight choices of one configuration."""
+
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    tp: int
+    sp: int
+    micro_batch: int
+    grad_accum: int
+    activation_offload: bool  # the JSON's cpu_checkpointing (the plan may offload checkpointed inputs)
+
+    def label(self) -> str:
+        off = "+".join(n for n, on in (("opt", self.offload_optimizer), ("param", self.offload_param)) if on)
+        return (f"z{self.zero_stage}" + (f" off:{off}" if off else "") + f" tp{self.tp} sp{self.sp} "
+                f"mb{self.micro_batch} ga{self.grad_accum}" + (" act-off" if self.activation_offload else ""))
+
+
+@dataclass
+class Scored:
+    config: Config
+    layers: tuple[LayerChoice, ...]  # the per-layer recompute/offload plan
+    prediction: Prediction
+    host_per_node: int
+    time: StepTime
+    tokens_per_s: float
+    mfu: float
+    family: Optional["Family"] = None  # what re-scoring it needs
+    ds: Optional[dict] = None
+    states: Optional[ModelStates] = None
+    exact: bool = False  # scored on a profile measured at its own micro-batch (not scaled from 1)
+
+    @property
+    def peak(self) -> int:
+        return self.prediction.peak
+
+
+@dataclass
+class SearchResult:
+    scored: list[Scored]  # best first
+    dropped: Counter = field(default_factory=Counter)  # reason -> configurations dropped for it
+    world: int = 0
+    budget: int = 0
+    host_budget: int = 0
+    global_tokens: int = 0
+    base_ds: dict = field(default_factory=dict)
+
+    @property
+    def considered(self) -> int:
+        return len(self.scored) + sum(self.dropped.values())
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a (TP, SP, activation offload) family shares: its JSON, recipe, target, profile and choices."""
+
+    tp: int
+    sp: int
+    activation_offload: bool
+    ds: dict
+    recipe: object
+    target: Target
+    profile: ActivationProfile
+    choices: tuple[LayerChoice, ...]
+
+
+def sheet_rates(hw: Hardware) -> Rates:
+    """The per-layer solver's rates from the sheet (not this machine's)."""
+    return Rates(hw.flops_per_s, hw.hbm_bytes_per_s * hw.hbm_efficiency, hw.host_bytes_per_s, "cuda")
+
+
+def family_ds(base: dict, tp: int, activation_offload: bool) -> dict:
+    ds = copy.deepcopy(base)
+    ac = ds.setdefault("activation_checkpointing", {})
+    ac["cpu_checkpointing"] = activation_offload
+    if tp > 1:
+        ds["tensor_parallel"] = {"autotp_size": tp}
+    else:
+        ds.pop("tensor_parallel", None)
+    return ds
+
+
+def variant_ds(ds: dict, stage: int, offload_optimizer: bool, offload_param: bool) -> dict:
+    out = copy.deepcopy(ds)
+    zero = out.setdefault("zero_optimization", {})
+    zero["stage"] = stage
+    for key, on in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if on:
+            zero[key] = {"device": "cpu", "pin_memory": True}
+        else:
+            zero.pop(key, None)
+    return out
+
+
+def family_recipe(recipe, sp: int, micro_batch: int = 1, grad_accum: int = 1, budget_gib: Optional[float] = None):
+    r = recipe.model_copy(deep=True)
+    r.parallel.sequence = sp
+    r.train.micro_batch_size = micro_batch
+    r.train.grad_accum_steps = grad_accum
+    r.activation_checkpointing.policy = "auto"
+    if budget_gib is not None:
+        r.activation_checkpointing.memory_budget = budget_gib  # unrounded: rounding down would shrink it
+    return r
+
+
+def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, activation_offload: bool,
+                rates: Rates) -> Optional[Family]:
+    ds = family_ds(base_ds, tp, activation_offload)
+    r = family_recipe(recipe, sp)
+    spec = recompute_spec(r, ds, "cuda")
+    target = make_target(r, ds, world, spec=spec)
+    profile = profile_activations(config, target)
+    choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
+    if activation_offload and not any(c.offload for c in choices):
+        return None
+    return Family(tp, sp, activation_offload, ds, r, target, profile, choices)
+
+
+def model_shape(config, profile: ActivationProfile, target: Target, persistent: int) -> ModelShape:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    from memtrain.memory.tensor_parallel import supports
+
+    return ModelShape(text.num_hidden_layers, text.hidden_size, text.vocab_size, heads,
+                      getattr(text, "num_key_value_heads", None) or heads,
+                      getattr(text, "head_dim", None) or text.hidden_size // heads, profile.num_params, persistent,
+                      target.trained(profile.num_params),
+                      target.tp > 1 and not getattr(text, "tie_word_embeddings", False) and supports(text))
+
+
+_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every configuration of one search shares."""
+
+    hw: Hardware
+    layout_world: int
+    seq_len: int
+    global_tokens: int
+    budget: int
+    host_budget: int
+    flops_per_token: float  # the model's training FLOPs per token (no recompute)
+    rates: Rates
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.layout_world, self.hw.gpus_per_node)
+
+
+def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage: int, offload_opt: bool,
+          offload_param: bool, mb: int, ga: int, plan: tuple[LayerChoice, ...]) -> Scored:
+    """Memory, host memory and step time of one configuration whose per-layer plan is `plan`."""
+    profile = fam.profile if fam.profile.target.micro_batch_size == mb else fam.profile.scaled(mb)
+    layout = Layout(s.layout_world, s.hw.gpus_per_node, fam.tp, fam.sp)
+    pred = predict(profile, states, plan)
+    zero = zero_config(ds)
+    elem = _ELEMENT[fam.target.dtype]
+    persistent = persistent_elements(profile, zero) if stage == 3 else 0
+    shape = model_shape(config, profile, fam.target, persistent)
+    gathers = 1 if keeps_gathered(zero, profile.num_params, layout.zero) else 2
+    collectives = step_collectives(shape, stage, elem, layout, mb * fam.target.seq_len, tuple(c.mode for c in plan),
+                                   gathers, resident(ds, layout.zero))
+    trained_rank = shape.trained // (layout.zero if stage >= 1 else 1)
+    copies_micro = elem * shape.trained / layout.zero if offload_opt else 0.0
+    if offload_param:
+        copies_micro += elem * (shape.params - persistent) / layout.zero * gathers
+    copies_step = elem * shape.params / layout.zero if offload_opt else 0.0
+    time = step_time(s.hw, layout, collectives, s.flops_per_token * mb * s.seq_len / (fam.tp * fam.sp),
+                     sum(choice_seconds(profile, s.rates, c) for c in plan), ga,
+                     optimizer_seconds(s.hw, trained_rank, offload_opt, s.ranks_per_node), copies_micro, copies_step)
+    tokens_per_s = s.global_tokens / time.seconds
+    cfg = Config(stage, offload_opt, offload_param, fam.tp, fam.sp, mb, ga, fam.activation_offload)
+    return Scored(cfg, plan, pred, s.ranks_per_node * (states.host + pred.host_activations), time, tokens_per_s,
+                  s.flops_per_token * tokens_per_s / (s.layout_world * s.hw.peak_flops), fam, ds, states,
+                  exact=profile.target.micro_batch_size == fam.profile.target.micro_batch_size)
+
+
+def _layout_reason(recipe, config, world: int, tp: int, sp: int, sp_ok) -> Optional[str]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if tp > 1 and sp > 1:
+        return "TP and SP together (memtrain runs AutoTP or Ulysses, not both)"
+    if heads % tp or kv % tp:
+        return f"TP does not divide the attention heads ({heads}) and KV heads ({kv})"
+    if tp > 1 and recipe.model.lora is not None:
+        return "TP with model.lora (memtrain refuses AutoTP over peft's layers)"
+    if heads % sp:
+        return f"SP does not divide the attention heads ({heads})"
+    if recipe.data.seq_len % sp:
+        return f"SP does not divide the sequence ({recipe.data.seq_len})"
+    if sp > 1 and sp_ok is not None and sp not in sp_ok:
+        return "SP: the model's attention cannot run Ulysses (memtrain.train.sequence_parallel.check)"
+    return None
+
+
+def layouts(recipe, config, world: int, gpus_per_node: int, sp_ok=None):
+    """(tp, sp, activation offload, reason or None) for every family."""
+    for tp in (d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and world % d == 0):
+        for sp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0):
+            reason = _layout_reason(recipe, config, world, tp, sp, sp_ok)
+            for activation_offload in (False, True):
+                yield tp, sp, activation_offload, reason
+
+
+def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],
+              s: Setting) -> Optional[tuple[LayerChoice, ...]]:
+    """The per-layer plan `policy: auto` picks under the budget (the exact solver), or None if none fits.
+    Keeping every layer costs no time: where it fits it is the solver's answer, found without the DP."""
+    keep = (LayerChoice("keep"),) * profile.num_layers
+    if LayerChoice("keep") in choices and predict(profile, states, keep).peak <= s.budget:
+        return keep
+    return solve(profile, activation_limit(profile, states, choices, s.budget), choices,
+                 {c: choice_seconds(profile, s.rates, c) for c in choices}, backward_extra=states.backward)
+
+
+def _variant(s: Setting, fam: Family, config, variant, micro_batches, result: SearchResult) -> None:
+    """Score every micro-batch of one ZeRO variant of a family, or count why not."""
+    stage, offload_opt, offload_param = variant
+    if fam.sp > 1 and stage == 0:
+        result.dropped["SP with ZeRO-0 (Ulysses needs ZeRO >= 1)"] += len(micro_batches)
+        return
+    ds = variant_ds(fam.ds, stage, offload_opt, offload_param)
+    states = model_states(fam.profile, ds, fam.target)
+    if s.ranks_per_node * states.host > s.host_budget:
+        result.dropped["host RAM per node exceeded by the ranks' offloaded model states"] += len(micro_batches)
+        return
+    dp = s.layout_world // (fam.tp * fam.sp)
+    too_big = False
+    for mb in micro_batches:
+        ga, rest = divmod(s.global_tokens, mb * s.seq_len * dp)
+        if rest or ga < 1:
+            result.dropped["global batch not reachable (tokens not a multiple of micro-batch x seq x DP)"] += 1
+            continue
+        plan = None if too_big else best_plan(fam.profile.scaled(mb), states, fam.choices, s)
+        if plan is None:  # activations grow with the micro-batch: every larger one fails too
+            too_big = True
+            result.dropped["GPU memory exceeded (no per-layer plan fits)"] += 1
+            continue
+        if fam.activation_offload and not any(c.offload for c in plan):
+            result.dropped["activation offload on, but no layer offloaded (same as off)"] += 1
+            continue
+        scored = score(s, fam, config, ds, states, stage, offload_opt, offload_param, mb, ga, plan)
+        if scored.host_per_node > s.host_budget:
+            result.dropped["host RAM per node exceeded by the ranks' offloads"] += 1
+            continue
+        result.scored.append(scored)
+
+
+def search(recipe, base_ds: dict, hw: Hardware, nodes: int, global_tokens: int, budget: Optional[int] = None,
+           host_budget: Optional[int] = None, sp_ok=None, micro_batches=MICRO_BATCHES,
+           progress: Optional[Callable] = None, exact_top: int = 10) -> SearchResult:
+    """Every configuration of `recipe` on `nodes` nodes of `hw` for `global_tokens` per step, best first.
+    `sp_ok`: the SP sizes the model's attention allows (None: any); `progress` wraps the family loop (a bar);
+    the best `exact_top` are scored again on profiles measured at their own micro-batch (`refine`)."""
+    world = nodes * hw.gpus_per_node
+    config = model_and_config(recipe)
+    budget = budget or int(hw.gpu_memory * MEMORY_HEADROOM)
+    host_budget = host_budget or int(hw.host_ram * HOST_HEADROOM)
+    rates = sheet_rates(hw)
+    s = Setting(hw, world, recipe.data.seq_len, global_tokens, budget, host_budget,
+                model_flops_per_token(config, recipe.data.seq_len), rates)
+    result = SearchResult([], Counter(), world, budget, host_budget, global_tokens, base_ds)
+    per_family = len(ZERO_VARIANTS) * len(micro_batches)
+    items = list(layouts(recipe, config, world, hw.gpus_per_node, sp_ok))
+    for tp, sp, activation_offload, reason in (progress(items) if progress else items):
+        if reason:
+            result.dropped[reason] += per_family
+            continue
+        fam = make_family(recipe, base_ds, config, world, tp, sp, activation_offload, rates)
+        if fam is None:
+            result.dropped["activation offload: no layer can offload (needs full recompute)"] += per_family
+            continue
+        for variant in ZERO_VARIANTS:
+            _variant(s, fam, config, variant, micro_batches, result)
+    result.scored.sort(key=lambda x: (-x.tokens_per_s, x.peak))
+    refine(s, config, result, exact_top)
+    return result
+
+
+def refine(s: Setting, config, result: SearchResult, top: int) -> None:
+    """Score the best `top` again on profiles measured at their own micro-batch (scaling from micro-batch 1
+    is close, not exact: rotary tables and block rounding do not scale), so that what the table shows and
+    the winner's files run are what `make plan` predicts for them; re-rank."""
+    done = 0
+    while done < min(top, len(result.scored)):
+        x = result.scored[done]
+        if x.exact:
+            done += 1
+            continue
+        fam = x.family
+        mb = x.config.micro_batch
+        exact = replace(fam, profile=profile_activations(config, replace(fam.target, micro_batch_size=mb)))
+        plan = best_plan(exact.profile, x.states, fam.choices, s)
+        result.scored.pop(done)
+        if plan is None or (fam.activation_offload and not any(c.offload for c in plan)):
+            result.dropped["GPU memory exceeded (no per-layer plan fits; profile measured at its micro-batch)"] += 1
+            continue
+        c = x.config
+        again = score(s, exact, config, x.ds, x.states, c.zero_stage, c.offload_optimizer, c.offload_param, mb,
+                      c.grad_accum, plan)
+        if again.host_per_node > s.host_budget:
+            result.dropped["host RAM per node exceeded by the ranks' offloads"] += 1
+            continue
+        keys = [(-y.tokens_per_s, y.peak) for y in result.scored]
+        result.scored.insert(bisect.bisect_left(keys, (-again.tokens_per_s, again.peak)), again)
+
+
+def family_of(result: SearchResult, recipe, best: Scored) -> tuple[dict, object]:
+    """The DeepSpeed JSON and recipe that run `best` (batch keys left "auto": the recipe fills them)."""
+    c = best.config
+    ds = variant_ds(family_ds(result.base_ds, c.tp, c.activation_offload), c.zero_stage, c.offload_optimizer,
+                    c.offload_param)
+    r = family_recipe(recipe, c.sp, c.micro_batch, c.grad_accum, result.budget / (1 << 30))
+    return ds, r
