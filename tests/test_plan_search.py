@@ -139,8 +139,9 @@ def test_search_drops_what_cannot_run_with_its_reason(tmp_path):
 
     recipe = _tiny("data.seq_len=126")  # 4 heads: TP 8 and SP 8 cannot split them; 126 tokens: SP 4 cannot
     hw = _hardware(tmp_path, **{"gpu.memory": "0.03GiB"})
-    # 8 GPUs, 126 x 8 x 4 tokens: micro-batch 64 (and 8 x 126 x 8 / 2 at SP 2) cannot make the global batch
-    result = search(recipe, load_ds_config(DS), hw, 1, 126 * 8 * 4, host_budget=1 << 20)
+    # 8 GPUs, 126 x 8 x 4 tokens: micro-batch 8 cannot make the global batch over 8 data-parallel ranks
+    result = search(recipe, load_ds_config(DS), hw, 1, 126 * 8 * 4, host_budget=1 << 20, micro_batches=(1, 4, 8),
+                    exact_top=3)
     reasons = dict(result.dropped)
     assert any(r.startswith("TP does not divide the attention heads (4)") for r in reasons), reasons
     assert any(r.startswith("SP does not divide the attention heads (4)") for r in reasons), reasons
@@ -171,7 +172,7 @@ def test_written_plan_validates_and_its_memory_is_make_plans(tmp_path):
     recipe = _tiny()
     for memory, check_make_plan in (("0.5GiB", True), ("0.012GiB", False)):  # everything kept; recompute needed
         hw = _hardware(tmp_path, **{"gpu.memory": memory})
-        result = search(recipe, load_ds_config(DS), hw, 1, 64 * 8 * 8)
+        result = search(recipe, load_ds_config(DS), hw, 1, 64 * 8 * 8, micro_batches=(2, 8), exact_top=3)
         best = result.scored[0]
         out = tmp_path / f"plan-{memory}"
         ds_path, recipe_path = write_plan(result, recipe, best, out)
