@@ -3,7 +3,6 @@ terms, dropped configurations with their reasons, and the winner's written JSON 
 and whose memory is what `make plan` predicts for it. In-process, on the tiny recipe: seconds."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -214,3 +213,20 @@ def test_ulysses_buffers_in_the_sp_profile():
         assert b.layers[mode].fwd_excess - a.layers[mode].fwd_excess == 2 * qkv
         assert b.layers[mode].bwd_excess - a.layers[mode].bwd_excess == 2 * qkv
         assert b.layers[mode].saved == a.layers[mode].saved
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--search", "--nodes", "1", "--global-batch-tokens", "4096"],
+     "--search: needs --hardware FILE, --nodes N and --global-batch-tokens T"),
+    (["--search", "--hardware", "hardware/none.yaml", "--nodes", "1", "--global-batch-tokens", "4096"],
+     "hardware/none.yaml: hardware sheet not found"),
+    (["--search", "--hardware", str(H100), "--nodes", "0", "--global-batch-tokens", "4096"],
+     "--nodes and --global-batch-tokens: must be positive"),
+])
+def test_search_flags_one_line(capsys, argv, expected):
+    from memtrain.tools.plan import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code != 0 and err == [f"memtrain: error: {expected}"], err

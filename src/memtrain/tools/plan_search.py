@@ -122,7 +122,7 @@ def run_search(args, recipe, ds_config: dict) -> None:
     from memtrain.tools.max_seq import sequence_sizes
     from memtrain.units import parse_size
 
-    if not args.hardware or not args.nodes or not args.global_batch_tokens:
+    if not args.hardware or args.nodes is None or args.global_batch_tokens is None:
         raise UserError("--search: needs --hardware FILE, --nodes N and --global-batch-tokens T")
     if args.nodes < 1 or args.global_batch_tokens < 1:
         raise UserError("--nodes and --global-batch-tokens: must be positive")
