@@ -195,6 +195,32 @@ def test_written_plan_validates_and_its_memory_is_make_plans(tmp_path):
             assert any(c.mode != "keep" for c in best.layers)
 
 
+def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
+    """Every scored configuration's per-layer plan takes as little time as a fresh solve of its own limit
+    (the search reuses solves across ZeRO variants), and fits."""
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.planner import activation_limit, choice_seconds, solve
+    from memtrain.memory.search import search
+
+    ds = load_ds_config(DS)
+    ds["zero_optimization"].update(reduce_bucket_size=1e5, stage3_prefetch_bucket_size=1e5)  # buckets that fit
+    result = search(_tiny(), ds, _hardware(tmp_path, **{"gpu.memory": "0.006GiB"}), 1, 64 * 8 * 8,
+                    micro_batches=(1, 2, 4, 8), exact_top=3)
+    solved = 0
+    for x in result.scored:
+        fam = x.family
+        profile = fam.profile if x.exact else fam.profile.scaled(x.config.micro_batch)
+        seconds = {c: choice_seconds(profile, result.rates, c) for c in fam.choices}
+        fresh = solve(profile, activation_limit(profile, x.states, fam.choices, result.budget), fam.choices, seconds,
+                      backward_extra=x.states.backward)
+        if all(c.mode == "keep" for c in x.layers):
+            continue
+        solved += 1
+        assert fresh is not None and x.peak <= result.budget
+        assert sum(seconds[c] for c in x.layers) == pytest.approx(sum(seconds[c] for c in fresh), rel=1e-12, abs=1e-15)
+    assert solved > 10
+
+
 def test_ulysses_buffers_in_the_sp_profile():
     """An SP rank's profile carries two copies of its q, k, v beside what the same tokens without SP measure."""
     from dataclasses import replace

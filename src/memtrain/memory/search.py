@@ -94,6 +94,7 @@ class SearchResult:
     host_budget: int = 0
     global_tokens: int = 0
     base_ds: dict = field(default_factory=dict)
+    rates: Optional[Rates] = None  # the per-layer solver's (the sheet's)
 
     @property
     def considered(self) -> int:
@@ -256,17 +257,28 @@ def layouts(recipe, config, world: int, gpus_per_node: int, sp_ok=None):
 
 
 def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],
-              s: Setting) -> Optional[tuple[LayerChoice, ...]]:
+              s: Setting, solved: Optional[list] = None) -> Optional[tuple[LayerChoice, ...]]:
     """The per-layer plan `policy: auto` picks under the budget (the exact solver), or None if none fits.
-    Keeping every layer costs no time: where it fits it is the solver's answer, found without the DP."""
+    Keeping every layer costs no time: where it fits it is the solver's answer, found without the DP.
+    `solved` holds (limit, plan, what the plan needs) of earlier solves of this profile and ZeRO-1/2 reduce
+    buffers: a plan optimal under a larger limit stays optimal under a smaller one that it still fits, and
+    nothing fits a smaller limit than one where nothing fitted."""
     keep = (LayerChoice("keep"),) * profile.num_layers
     if LayerChoice("keep") in choices and predict(profile, states, keep).peak <= s.budget:
         return keep
-    return solve(profile, activation_limit(profile, states, choices, s.budget), choices,
-                 {c: choice_seconds(profile, s.rates, c) for c in choices}, backward_extra=states.backward)
+    limit = activation_limit(profile, states, choices, s.budget)
+    for larger, plan, need in solved if solved is not None else ():
+        if limit <= larger and (plan is None or need <= limit):
+            return plan
+    plan = solve(profile, limit, choices, {c: choice_seconds(profile, s.rates, c) for c in choices},
+                 backward_extra=states.backward)
+    if solved is not None:
+        pred = None if plan is None else predict(profile, states, plan)
+        solved.append((limit, plan, None if pred is None else pred.activation_peak + pred.reduce_buffers))
+    return plan
 
 
-def _variant(s: Setting, fam: Family, config, variant, micro_batches, result: SearchResult) -> None:
+def _variant(s: Setting, fam: Family, config, variant, micro_batches, result: SearchResult, solved: dict) -> None:
     """Score every micro-batch of one ZeRO variant of a family, or count why not."""
     stage, offload_opt, offload_param = variant
     if fam.sp > 1 and stage == 0:
@@ -284,7 +296,8 @@ def _variant(s: Setting, fam: Family, config, variant, micro_batches, result: Se
         if rest or ga < 1:
             result.dropped["global batch not reachable (tokens not a multiple of micro-batch x seq x DP)"] += 1
             continue
-        plan = None if too_big else best_plan(fam.profile.scaled(mb), states, fam.choices, s)
+        plan = None if too_big else best_plan(fam.profile.scaled(mb), states, fam.choices, s,
+                                              solved.setdefault((mb, states.backward), []))
         if plan is None:  # activations grow with the micro-batch: every larger one fails too
             too_big = True
             result.dropped["GPU memory exceeded (no per-layer plan fits)"] += 1
@@ -312,7 +325,7 @@ def search(recipe, base_ds: dict, hw: Hardware, nodes: int, global_tokens: int, 
     rates = sheet_rates(hw)
     s = Setting(hw, world, recipe.data.seq_len, global_tokens, budget, host_budget,
                 model_flops_per_token(config, recipe.data.seq_len), rates)
-    result = SearchResult([], Counter(), world, budget, host_budget, global_tokens, base_ds)
+    result = SearchResult([], Counter(), world, budget, host_budget, global_tokens, base_ds, rates)
     per_family = len(ZERO_VARIANTS) * len(micro_batches)
     items = list(layouts(recipe, config, world, hw.gpus_per_node, sp_ok))
     for tp, sp, activation_offload, reason in (progress(items) if progress else items):
@@ -323,11 +336,19 @@ def search(recipe, base_ds: dict, hw: Hardware, nodes: int, global_tokens: int, 
         if fam is None:
             result.dropped["activation offload: no layer can offload (needs full recompute)"] += per_family
             continue
-        for variant in ZERO_VARIANTS:
-            _variant(s, fam, config, variant, micro_batches, result)
-    result.scored.sort(key=lambda x: (-x.tokens_per_s, x.peak))
+        solved: dict = {}  # (micro-batch, ZeRO-1/2 reduce buffers) -> solves, largest limits first:
+        for variant in sorted(ZERO_VARIANTS, key=lambda v: model_states(fam.profile, variant_ds(fam.ds, *v),
+                                                                          fam.target).total):
+            _variant(s, fam, config, variant, micro_batches, result, solved)
+    result.scored.sort(key=rank_key)
     refine(s, config, result, exact_top)
     return result
+
+
+def rank_key(x: Scored) -> tuple:
+    """Best first: more tokens/s, then a lower peak, then fewer offloads (the simpler run of two equal ones)."""
+    c = x.config
+    return -x.tokens_per_s, x.peak, c.offload_optimizer + c.offload_param + c.activation_offload
 
 
 def refine(s: Setting, config, result: SearchResult, top: int) -> None:
@@ -354,8 +375,8 @@ def refine(s: Setting, config, result: SearchResult, top: int) -> None:
         if again.host_per_node > s.host_budget:
             result.dropped["host RAM per node exceeded by the ranks' offloads"] += 1
             continue
-        keys = [(-y.tokens_per_s, y.peak) for y in result.scored]
-        result.scored.insert(bisect.bisect_left(keys, (-again.tokens_per_s, again.peak)), again)
+        keys = [rank_key(y) for y in result.scored]
+        result.scored.insert(bisect.bisect_left(keys, rank_key(again)), again)
 
 
 def family_of(result: SearchResult, recipe, best: Scored) -> tuple[dict, object]:
