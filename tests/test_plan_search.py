@@ -3,6 +3,7 @@ terms, dropped configurations with their reasons, and the winner's written JSON 
 and whose memory is what `make plan` predicts for it. In-process, on the tiny recipe: seconds."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,26 @@ def test_search_flags_one_line(capsys, argv, expected):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code != 0 and err == [f"memtrain: error: {expected}"], err
+
+
+def test_calibration_from_a_gpu_check_report(tmp_path, capsys):
+    """gpu-check's memtrain:none MFU becomes the sheet's compute efficiency, marked as calibrated."""
+    from memtrain.memory.hardware import load_hardware
+    from memtrain.tools.plan import main
+
+    report = tmp_path / "gpu.json"
+    report.write_text(json.dumps({"title": "gpu-check llama-1b 1 GPU", "results": [
+        {"setup": "torch:noac", "tokens_per_s": 44354.0},
+        {"setup": "memtrain:none", "tokens_per_s": 36655.0, "mfu": 0.271, "measured_at": "2026-11-23 10:00"}]}))
+    cal = tmp_path / "cal.yaml"
+    cal.write_text("gpu:\n  host_gb_per_s: 52\n")  # a figure measured before stays
+    main(["--calibrate-from", str(report), "--hardware", str(H100), "--calibration", str(cal)])
+    hw = load_hardware(H100, cal)
+    origin = {k: o for k, _, o in hw.figures()}
+    assert hw.compute_efficiency == 0.271 and hw.host_bytes_per_s == 52e9
+    assert origin["efficiency.compute"] == str(cal) and origin["gpu.bf16_tflops"] == "sheet"
+    assert "memtrain:none, 2026-11-23 10:00" in cal.read_text()
+    report.write_text(json.dumps({"results": [{"setup": "torch:noac", "tokens_per_s": 1.0}]}))
+    with pytest.raises(SystemExit):
+        main(["--calibrate-from", str(report), "--hardware", str(H100), "--calibration", str(cal)])
+    assert "no measured 'memtrain:none' set-up" in capsys.readouterr().err

@@ -266,6 +266,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="--search: measured figures over the sheet's (default: hardware/calibration/<sheet>.yaml)")
     p.add_argument("--nodes", type=int, help="--search: nodes")
     p.add_argument("--global-batch-tokens", type=int, metavar="T", help="--search: tokens per optimizer step")
+    p.add_argument("--calibrate-from", metavar="JSON",
+                   help="write the --hardware sheet's calibration file from a gpu-check report (reports/gpu/*.json)")
     p.add_argument("--top", type=int, default=15, help="--search: rows of the ranked table (default 15)")
     p.add_argument("--out", metavar="DIR", help="--search: where the winner goes (default plans/<recipe>-<sheet>-<N>n)")
     args = p.parse_args(argv)
@@ -274,6 +276,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     budget = parse_size(args.budget, "--budget") if args.budget else None
     recipe = load_recipe(args.recipe, args.overrides)
     ds_config = load_ds_config(args.deepspeed)
+    if args.calibrate_from:
+        from pathlib import Path
+
+        from memtrain.memory.hardware import calibration_path, load_hardware
+        from memtrain.tools.plan_calibrate import write_calibration
+
+        if not args.hardware:
+            raise UserError("--calibrate-from: needs --hardware FILE (the sheet it calibrates)")
+        out = Path(args.calibration) if args.calibration else calibration_path(Path(args.hardware))
+        data = write_calibration(Path(args.calibrate_from), out)
+        load_hardware(args.hardware, out)  # the file must load over its sheet
+        print(f"{out}: efficiency.compute {data['efficiency']['compute']} ({data['source']})")
+        return
     if args.search:
         from memtrain.tools.plan_search import run_search
 
