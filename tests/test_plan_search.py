@@ -70,7 +70,7 @@ def _real_params(recipe) -> int:
 def test_collective_volumes_equal_a_hand_count():
     from memtrain.memory.comm_volume import Layout, step_collectives
     from memtrain.memory.profile import profile_activations
-    from memtrain.memory.search import model_shape
+    from memtrain.memory.score import model_shape
     from memtrain.memory.target import make_target, model_and_config
     from memtrain.config.ds_config import load_ds_config
 

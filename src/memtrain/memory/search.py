@@ -14,27 +14,26 @@ solver `policy: auto` runs) under the GPU budget. Each configuration's target, m
 peak come from the memory model the trainer and `make plan` use (`make_target`, `model_states`,
 `predict`); its step time from `memtrain.memory.step_time`. The activation profile is measured once
 per (TP, SP, offload) family at micro-batch 1 and scaled (activations are linear in the batch).
-What cannot run is dropped with its reason counted.
+What cannot run is dropped with its reason counted. One configuration's score: memtrain.memory.score;
+its JSON and recipe: memtrain.memory.plan_files.
 """
 from __future__ import annotations
 
-import copy
-from collections import Counter
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from memtrain.config.zero3 import resident
-from memtrain.memory.comm_volume import Layout, ModelShape, step_collectives
 from memtrain.memory.flops import model_flops_per_token
 from memtrain.memory.hardware import Hardware
-from memtrain.memory.planner import activation_limit, available_choices, choice_seconds, may_offload, solve
-from memtrain.memory.predict import LayerChoice, Prediction, predict
+from memtrain.memory.plan_files import family_ds, family_recipe, variant_ds
+from memtrain.memory.planner import activation_limit, choice_seconds, solve
+from memtrain.memory.predict import LayerChoice, predict
 from memtrain.memory.profile import ActivationProfile, profile_activations
 from memtrain.memory.rates import Rates
-from memtrain.memory.states import ModelStates, keeps_gathered, model_states, persistent_elements, zero_config
-from memtrain.memory.step_time import StepTime, optimizer_seconds, step_time
-from memtrain.memory.target import Target, make_target, model_and_config, recompute_spec
+from memtrain.memory.score import Family, Scored, Setting, make_family, score, sheet_rates
+from memtrain.memory.states import ModelStates, model_states
+from memtrain.memory.target import model_and_config
 
 # The GPU budget when none is given: this share of the sheet's memory (CUDA's context, the
 # allocator's fragmentation, which max_memory_allocated does not show, live in the rest).
@@ -45,44 +44,6 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # (stage, offload_optimizer, offload_param): what DeepSpeed accepts
 ZERO_VARIANTS = ((0, False, False), (1, False, False), (1, True, False), (2, False, False), (2, True, False),
                  (3, False, False), (3, True, False), (3, False, True), (3, True, True))
-
-
-@dataclass(frozen=True)
-class Config:
-    """The eight choices of one configuration."""
-
-    zero_stage: int
-    offload_optimizer: bool
-    offload_param: bool
-    tp: int
-    sp: int
-    micro_batch: int
-    grad_accum: int
-    activation_offload: bool  # the JSON's cpu_checkpointing (the plan may offload checkpointed inputs)
-
-    def label(self) -> str:
-        off = "+".join(n for n, on in (("opt", self.offload_optimizer), ("param", self.offload_param)) if on)
-        return (f"z{self.zero_stage}" + (f" off:{off}" if off else "") + f" tp{self.tp} sp{self.sp} "
-                f"mb{self.micro_batch} ga{self.grad_accum}" + (" act-off" if self.activation_offload else ""))
-
-
-@dataclass
-class Scored:
-    config: Config
-    layers: tuple[LayerChoice, ...]  # the per-layer recompute/offload plan
-    prediction: Prediction
-    host_per_node: int
-    time: StepTime
-    tokens_per_s: float
-    mfu: float
-    family: Optional["Family"] = None  # what re-scoring it needs
-    ds: Optional[dict] = None
-    states: Optional[ModelStates] = None
-    exact: bool = False  # scored on a profile measured at its own micro-batch (not scaled from 1)
-
-    @property
-    def peak(self) -> int:
-        return self.prediction.peak
 
 
 @dataclass
@@ -99,133 +60,6 @@ class SearchResult:
     @property
     def considered(self) -> int:
         return len(self.scored) + sum(self.dropped.values())
-
-
-@dataclass(frozen=True)
-class Family:
-    """What a (TP, SP, activation offload) family shares: its JSON, recipe, target, profile and choices."""
-
-    tp: int
-    sp: int
-    activation_offload: bool
-    ds: dict
-    recipe: object
-    target: Target
-    profile: ActivationProfile
-    choices: tuple[LayerChoice, ...]
-
-
-def sheet_rates(hw: Hardware) -> Rates:
-    """The per-layer solver's rates from the sheet (not this machine's)."""
-    return Rates(hw.flops_per_s, hw.hbm_bytes_per_s * hw.hbm_efficiency, hw.host_bytes_per_s, "cuda")
-
-
-def family_ds(base: dict, tp: int, activation_offload: bool) -> dict:
-    ds = copy.deepcopy(base)
-    ac = ds.setdefault("activation_checkpointing", {})
-    ac["cpu_checkpointing"] = activation_offload
-    if tp > 1:
-        ds["tensor_parallel"] = {"autotp_size": tp}
-    else:
-        ds.pop("tensor_parallel", None)
-    return ds
-
-
-def variant_ds(ds: dict, stage: int, offload_optimizer: bool, offload_param: bool) -> dict:
-    out = copy.deepcopy(ds)
-    zero = out.setdefault("zero_optimization", {})
-    zero["stage"] = stage
-    for key, on in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
-        if on:
-            zero[key] = {"device": "cpu", "pin_memory": True}
-        else:
-            zero.pop(key, None)
-    return out
-
-
-def family_recipe(recipe, sp: int, micro_batch: int = 1, grad_accum: int = 1, budget_gib: Optional[float] = None):
-    r = recipe.model_copy(deep=True)
-    r.parallel.sequence = sp
-    r.train.micro_batch_size = micro_batch
-    r.train.grad_accum_steps = grad_accum
-    r.activation_checkpointing.policy = "auto"
-    if budget_gib is not None:
-        r.activation_checkpointing.memory_budget = budget_gib  # unrounded: rounding down would shrink it
-    return r
-
-
-def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, activation_offload: bool,
-                rates: Rates) -> Optional[Family]:
-    ds = family_ds(base_ds, tp, activation_offload)
-    r = family_recipe(recipe, sp)
-    spec = recompute_spec(r, ds, "cuda")
-    target = make_target(r, ds, world, spec=spec)
-    profile = profile_activations(config, target)
-    choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
-    if activation_offload and not any(c.offload for c in choices):
-        return None
-    return Family(tp, sp, activation_offload, ds, r, target, profile, choices)
-
-
-def model_shape(config, profile: ActivationProfile, target: Target, persistent: int) -> ModelShape:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    from memtrain.memory.tensor_parallel import supports
-
-    return ModelShape(text.num_hidden_layers, text.hidden_size, text.vocab_size, heads,
-                      getattr(text, "num_key_value_heads", None) or heads,
-                      getattr(text, "head_dim", None) or text.hidden_size // heads, profile.num_params, persistent,
-                      target.trained(profile.num_params),
-                      target.tp > 1 and not getattr(text, "tie_word_embeddings", False) and supports(text))
-
-
-_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-@dataclass(frozen=True)
-class Setting:
-    """What every configuration of one search shares."""
-
-    hw: Hardware
-    layout_world: int
-    seq_len: int
-    global_tokens: int
-    budget: int
-    host_budget: int
-    flops_per_token: float  # the model's training FLOPs per token (no recompute)
-    rates: Rates
-
-    @property
-    def ranks_per_node(self) -> int:
-        return min(self.layout_world, self.hw.gpus_per_node)
-
-
-def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage: int, offload_opt: bool,
-          offload_param: bool, mb: int, ga: int, plan: tuple[LayerChoice, ...]) -> Scored:
-    """Memory, host memory and step time of one configuration whose per-layer plan is `plan`."""
-    profile = fam.profile if fam.profile.target.micro_batch_size == mb else fam.profile.scaled(mb)
-    layout = Layout(s.layout_world, s.hw.gpus_per_node, fam.tp, fam.sp)
-    pred = predict(profile, states, plan)
-    zero = zero_config(ds)
-    elem = _ELEMENT[fam.target.dtype]
-    persistent = persistent_elements(profile, zero) if stage == 3 else 0
-    shape = model_shape(config, profile, fam.target, persistent)
-    gathers = 1 if keeps_gathered(zero, profile.num_params, layout.zero) else 2
-    collectives = step_collectives(shape, stage, elem, layout, mb * fam.target.seq_len, tuple(c.mode for c in plan),
-                                   gathers, resident(ds, layout.zero))
-    trained_rank = shape.trained // (layout.zero if stage >= 1 else 1)
-    copies_micro = elem * shape.trained / layout.zero if offload_opt else 0.0
-    if offload_param:
-        copies_micro += elem * (shape.params - persistent) / layout.zero * gathers
-    copies_step = elem * shape.params / layout.zero if offload_opt else 0.0
-    time = step_time(s.hw, layout, collectives, s.flops_per_token * mb * s.seq_len / (fam.tp * fam.sp),
-                     sum(choice_seconds(profile, s.rates, c) for c in plan), ga,
-                     optimizer_seconds(s.hw, trained_rank, offload_opt, s.ranks_per_node), copies_micro, copies_step)
-    tokens_per_s = s.global_tokens / time.seconds
-    cfg = Config(stage, offload_opt, offload_param, fam.tp, fam.sp, mb, ga, fam.activation_offload)
-    return Scored(cfg, plan, pred, s.ranks_per_node * (states.host + pred.host_activations), time, tokens_per_s,
-                  s.flops_per_token * tokens_per_s / (s.layout_world * s.hw.peak_flops), fam, ds, states,
-                  exact=profile.target.micro_batch_size == fam.profile.target.micro_batch_size)
 
 
 def _layout_reason(recipe, config, world: int, tp: int, sp: int, sp_ok) -> Optional[str]:

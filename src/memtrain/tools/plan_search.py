@@ -16,7 +16,8 @@ import yaml
 
 from memtrain.errors import UserError
 from memtrain.memory.hardware import Hardware
-from memtrain.memory.search import Scored, SearchResult, family_of, search
+from memtrain.memory.score import Scored
+from memtrain.memory.search import SearchResult, family_of, search
 from memtrain.units import GIB
 
 COLUMNS = ("#", "ZeRO", "offload", "TP", "SP", "mb", "GA", "recompute (layers)", "peak GiB", "host GiB/node",
