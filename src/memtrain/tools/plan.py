@@ -258,18 +258,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "sequence parallelism, and whether device or host memory runs out first")
     p.add_argument("--host-budget", help="host memory per node for --max-seq (default: this machine's; with "
                                           "--search: 80%% of the sheet's host RAM)")
-    p.add_argument("--search", action="store_true",
-                   help="search ZeRO stage x offloads x TP x SP x micro-batch x per-layer recompute for a cluster "
-                        "(needs --hardware, --nodes, --global-batch-tokens; --budget defaults to 95%% of the GPU's)")
-    p.add_argument("--hardware", metavar="YAML", help="--search: a node's hardware sheet (hardware/*.yaml)")
-    p.add_argument("--calibration", metavar="YAML",
-                   help="--search: measured figures over the sheet's (default: hardware/calibration/<sheet>.yaml)")
-    p.add_argument("--nodes", type=int, help="--search: nodes")
-    p.add_argument("--global-batch-tokens", type=int, metavar="T", help="--search: tokens per optimizer step")
-    p.add_argument("--calibrate-from", metavar="JSON",
-                   help="write the --hardware sheet's calibration file from a gpu-check report (reports/gpu/*.json)")
-    p.add_argument("--top", type=int, default=15, help="--search: rows of the ranked table (default 15)")
-    p.add_argument("--out", metavar="DIR", help="--search: where the winner goes (default plans/<recipe>-<sheet>-<N>n)")
+    from memtrain.tools.plan_search import add_search_flags
+
+    add_search_flags(p)
     args = p.parse_args(argv)
     if args.ngpus < 1:
         raise UserError(f"--ngpus: must be positive (got {args.ngpus})")
@@ -277,17 +268,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     recipe = load_recipe(args.recipe, args.overrides)
     ds_config = load_ds_config(args.deepspeed)
     if args.calibrate_from:
-        from pathlib import Path
+        from memtrain.tools.plan_calibrate import run_calibrate
 
-        from memtrain.memory.hardware import calibration_path, load_hardware
-        from memtrain.tools.plan_calibrate import write_calibration
-
-        if not args.hardware:
-            raise UserError("--calibrate-from: needs --hardware FILE (the sheet it calibrates)")
-        out = Path(args.calibration) if args.calibration else calibration_path(Path(args.hardware))
-        data = write_calibration(Path(args.calibrate_from), out)
-        load_hardware(args.hardware, out)  # the file must load over its sheet
-        print(f"{out}: efficiency.compute {data['efficiency']['compute']} ({data['source']})")
+        run_calibrate(args)
         return
     if args.search:
         from memtrain.tools.plan_search import run_search

@@ -47,3 +47,15 @@ def write_calibration(report_path: Path, out: Path) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(data, sort_keys=False, width=1 << 16), encoding="utf-8")
     return data
+
+
+def run_calibrate(args) -> None:
+    """`python -m memtrain plan --calibrate-from JSON --hardware SHEET [--calibration FILE]`."""
+    from memtrain.memory.hardware import calibration_path, load_hardware
+
+    if not args.hardware:
+        raise UserError("--calibrate-from: needs --hardware FILE (the sheet it calibrates)")
+    out = Path(args.calibration) if args.calibration else calibration_path(Path(args.hardware))
+    data = write_calibration(Path(args.calibrate_from), out)
+    load_hardware(args.hardware, out)  # the file must load over its sheet
+    print(f"{out}: efficiency.compute {data['efficiency']['compute']} ({data['source']})")

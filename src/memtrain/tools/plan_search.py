@@ -116,6 +116,22 @@ def write_plan(result: SearchResult, recipe, best: Scored, out: Path) -> tuple[P
     return ds_path, recipe_path
 
 
+def add_search_flags(p) -> None:
+    """`python -m memtrain plan`'s flags for --search and --calibrate-from."""
+    p.add_argument("--search", action="store_true",
+                   help="search ZeRO stage x offloads x TP x SP x micro-batch x per-layer recompute for a cluster "
+                        "(needs --hardware, --nodes, --global-batch-tokens; --budget defaults to 95%% of the GPU's)")
+    p.add_argument("--hardware", metavar="YAML", help="--search: a node's hardware sheet (hardware/*.yaml)")
+    p.add_argument("--calibration", metavar="YAML",
+                   help="--search: measured figures over the sheet's (default: hardware/calibration/<sheet>.yaml)")
+    p.add_argument("--nodes", type=int, help="--search: nodes")
+    p.add_argument("--global-batch-tokens", type=int, metavar="T", help="--search: tokens per optimizer step")
+    p.add_argument("--calibrate-from", metavar="JSON",
+                   help="write the --hardware sheet's calibration file from a gpu-check report (reports/gpu/*.json)")
+    p.add_argument("--top", type=int, default=15, help="--search: rows of the ranked table (default 15)")
+    p.add_argument("--out", metavar="DIR", help="--search: where the winner goes (default plans/<recipe>-<sheet>-<N>n)")
+
+
 def run_search(args, recipe, ds_config: dict) -> None:
     """The --search branch of `python -m memtrain plan`."""
     from memtrain.memory.hardware import load_hardware
