@@ -280,3 +280,32 @@ def test_calibration_from_a_gpu_check_report(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--calibrate-from", str(report), "--hardware", str(H100), "--calibration", str(cal)])
     assert "no measured 'memtrain:none' set-up" in capsys.readouterr().err
+
+
+def test_faster_links_are_never_slower_and_one_rank_talks_to_no_one(tmp_path):
+    """Metamorphic: every term of every scored configuration's step time is no larger on a sheet with faster links."""
+    from dataclasses import replace
+
+    from memtrain.memory.comm_volume import Layout, step_collectives
+    from memtrain.memory.score import model_shape
+    from memtrain.memory.step_time import step_time
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.target import make_target, model_and_config
+    from memtrain.config.ds_config import load_ds_config
+
+    recipe = _tiny()
+    config = model_and_config(recipe)
+    target = make_target(recipe, load_ds_config(DS), 16, device="cuda")
+    shape = model_shape(config, profile_activations(config, target), target, 0)
+    slow = _hardware(tmp_path)
+    fast = replace(slow, intra_bytes_per_s=2 * slow.intra_bytes_per_s, inter_bytes_per_s=2 * slow.inter_bytes_per_s)
+    for stage in range(4):
+        for tp, sp in ((1, 1), (2, 1), (1, 2), (8, 1), (1, 16)):
+            layout = Layout(16, 8, tp, sp)
+            colls = step_collectives(shape, stage, 2, layout, 8 * 64 // sp, ("full", "keep") * 2)
+            a, b = (step_time(hw, layout, colls, 1e9, 0.0, 4, 0.0).terms for hw in (slow, fast))
+            assert all(b[k] <= a[k] for k in a) and a["compute"] == b["compute"], (stage, tp, sp, a, b)
+            assert sum(a.values()) > a["compute"]  # something crossed a link
+    alone = step_time(slow, Layout(1, 8), step_collectives(shape, 3, 2, Layout(1, 8), 512, ("keep",) * 4),
+                      1e9, 0.0, 4, 0.0).terms
+    assert alone["zero_comm"] == alone["tp_comm"] == alone["sp_comm"] == 0.0
