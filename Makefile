@@ -30,7 +30,7 @@ RECIPE_ARG := $(if $(RECIPE),--recipe "$(RECIPE)",)
 # no DS: the tools' default JSON (ds_configs/zero3_ckpt.json), or with --resume the run's own
 DS_ARG := $(if $(DS),--deepspeed "$(DS)",)
 
-.PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host gpu-check gpu-wheels plan explain
+.PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host bench-plan gpu-check gpu-wheels plan explain
 
 setup: $(VENV)/.installed
 
@@ -96,6 +96,10 @@ bench: setup
 ## tiny recipe on one CPU core -> reports/host_overhead.{md,json,png} (ARGS: e.g. --setups torch:noac,memtrain:full)
 bench-host: setup
 	$(BIN)/python -m memtrain bench-host $(ARGS)
+
+## bench-plan: configurations `make plan --search` scores per second on one core -> reports/plan_search.md (ARGS: --recipe ...)
+bench-plan: setup
+	$(BIN)/python -m memtrain bench-plan $(ARGS)
 
 ## gpu-check: the GPU acceptance run (llama-1b, seq 2048, bf16, 30 steps per set-up: none, full, full+offload, op,
 ## auto at half of none's peak, plain PyTorch) -> reports/gpu/<device>.md, then long sequences (llama-8b-long at 256K,

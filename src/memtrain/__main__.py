@@ -30,6 +30,8 @@ COMMANDS = {
                   "the fixed GPU acceptance run -> reports/gpu/"),
     "bench-host": ("memtrain.tools.bench.host:main", "memtrain.tools.bench.host:parser",
                    "host work per step beside plain PyTorch, one CPU core"),
+    "bench-plan": ("memtrain.tools.plan_bench:main", "memtrain.tools.plan_bench:parser",
+                   "configurations make plan --search scores per second, one core"),
     "export": ("memtrain.tools.export:main", "memtrain.tools.export:parser",
                "write a run's model checkpoint as a transformers model"),
 }

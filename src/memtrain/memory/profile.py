@@ -17,7 +17,7 @@ import torch
 
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP
 from memtrain.recompute.hooks import apply_plan, find_sublayer, remove_plan
-from memtrain.memory import tensor_parallel
+from memtrain.memory import tensor_parallel, ulysses
 from memtrain.recompute.meter import ActivationMeter, StepTracker
 from memtrain.memory.target import Target
 
@@ -200,7 +200,7 @@ def fake_model(config, num_layers: int, target: Target):
         model = AutoModelForCausalLM.from_config(_layer_config(config, num_layers), dtype=target.torch_dtype)
     # the run's loss and tiled MLPs, so the profile measures what they keep. Under sequence
     # parallelism the profile is one rank's slice of tokens with all heads: the same bytes as
-    # Ulysses' full sequence on heads/sp (its all-to-all buffers are not modelled).
+    # Ulysses' full sequence on heads/sp (its all-to-all buffers: memtrain.memory.ulysses).
     if target.lora is not None:  # the adapters' weights and what they keep; peft freezes the base weights
         from memtrain.model.freeze import freeze
         from memtrain.model.lora import add_lora
@@ -257,6 +257,7 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
     if key not in _PROFILES:
         measured = _measure_profile(config, target, modes)
         measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
+        measured = ulysses.add_buffers(measured, config)  # its all-to-all buffers (sp > 1)
         _PROFILES[key] = tensor_parallel.partition_inputs(measured, target.tp) if target.partition else measured
     profile = _PROFILES[key]
     if not extra:

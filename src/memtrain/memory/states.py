@@ -40,6 +40,24 @@ class ModelStates:
         return self.params + self.grads + self.optimizer + self.buckets + self.persistent + self.gathered
 
 
+def persistent_elements(profile: "ActivationProfile", zero) -> int:
+    """ZeRO-3: elements of the parameters at or under `stage3_param_persistence_threshold` (kept whole, never gathered)."""
+    return sum(numel * count for numel, count in profile.param_sizes if numel <= zero.param_persistence_threshold)
+
+
+def keeps_gathered(zero, params: int, world: int) -> bool:
+    """ZeRO-3 keeps every gathered parameter from its forward to its backward when `stage3_max_reuse_distance`
+    reaches over the whole trace (~2 x the parameters): see `model_states`."""
+    return world > 1 and zero.max_reuse_distance >= 2 * params
+
+
+def zero_config(ds_config: dict):
+    """DeepSpeed's own parse of the JSON's zero_optimization section (its defaults filled)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
+
+
 def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) -> ModelStates:
     """DeepSpeed's layout, component by component, with DeepSpeed's own defaults for its JSON.
 
@@ -57,9 +75,7 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     nothing: the parameters' all-gather writes into the flat parameter buffer
     (all_gather_into_tensor_dp_groups; the bucketed fallback gathers into narrowed views of it).
     """
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    zero = DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
+    zero = zero_config(ds_config)
     # ZeRO shards over the data-parallel ranks; with TP, profile.num_params is already one rank's shard
     n, world, stage = profile.num_params, max(target.world_size // target.tp, 1), int(zero.stage)
     t = target.trained(n)  # frozen parameters (memtrain.model.freeze) have no gradient and no optimizer state
@@ -79,15 +95,14 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     buckets = persistent = gathered = 0
     if stage == 3:
         buckets = c * zero.reduce_bucket_size if zero.contiguous_gradients else 0
-        small = sum(numel * count for numel, count in profile.param_sizes
-                    if numel <= zero.param_persistence_threshold)
+        small = persistent_elements(profile, zero)
         persistent = c * small if world > 1 else 0  # in a world of one the partition is the parameter (measured)
         # the unit ZeRO-3 gathers at once is a whole decoder layer (memtrain.config.zero3 makes layers leaf
         # modules), plus the prefetch bucket
         gathered = c * (profile.largest_layer_params + min(zero.prefetch_bucket_size, n))
         if resident(ds_config, world):  # memtrain.config.zero3: every parameter persists, nothing is gathered
             gathered = 0
-        elif world > 1 and zero.max_reuse_distance >= 2 * n:
+        elif keeps_gathered(zero, n, world):
             # DeepSpeed releases a gathered parameter only if no use of it lies within
             # max_reuse_distance elements of the trace (forward and backward: ~2n); within reach, every
             # non-persistent parameter stays whole from its forward to its backward (measured, 2 ranks,

@@ -30,8 +30,26 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", action="store_true",
                    help="with --budget: the longest sequence that fits per policy x offload x loss x tiled MLP x "
                         "sequence parallelism, and whether device or host memory runs out first")
-    p.add_argument("--host-budget", help="host memory per node for --max-seq (default: this machine's)")
+    p.add_argument("--host-budget", help="host memory per node for --max-seq (default: this machine's; with "
+                                          "--search: 80%% of the sheet's host RAM)")
+    _search_flags(p)
     return p
+
+
+def _search_flags(p) -> None:
+    """`python -m memtrain plan`'s flags for --search and --calibrate-from."""
+    p.add_argument("--search", action="store_true",
+                   help="search ZeRO stage x offloads x TP x SP x micro-batch x per-layer recompute for a cluster "
+                        "(needs --hardware, --nodes, --global-batch-tokens; --budget defaults to 95%% of the GPU's)")
+    p.add_argument("--hardware", metavar="YAML", help="--search: a node's hardware sheet (hardware/*.yaml)")
+    p.add_argument("--calibration", metavar="YAML",
+                   help="--search: measured figures over the sheet's (default: hardware/calibration/<sheet>.yaml)")
+    p.add_argument("--nodes", type=int, help="--search: nodes")
+    p.add_argument("--global-batch-tokens", type=int, metavar="T", help="--search: tokens per optimizer step")
+    p.add_argument("--calibrate-from", metavar="JSON",
+                   help="write the --hardware sheet's calibration file from a gpu-check report (reports/gpu/*.json)")
+    p.add_argument("--top", type=int, default=15, help="--search: rows of the ranked table (default 15)")
+    p.add_argument("--out", metavar="DIR", help="--search: where the winner goes (default plans/<recipe>-<sheet>-<N>n)")
 
 
 def ac_profile_parser() -> argparse.ArgumentParser:

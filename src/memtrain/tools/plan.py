@@ -262,6 +262,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     budget = parse_size(args.budget, "--budget") if args.budget else None
     recipe = load_recipe(args.recipe, args.overrides)
     ds_config = load_ds_config(args.deepspeed)
+    if args.calibrate_from:
+        from memtrain.tools.plan_calibrate import run_calibrate
+
+        run_calibrate(args)
+        return
+    if args.search:
+        from memtrain.tools.plan_search import run_search
+
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the result
+            import deepspeed  # noqa: F401  (its import-time log lines)
+        run_search(args, recipe, ds_config)
+        return
     from memtrain.train.parallel import check_tensor_parallel
 
     check_tensor_parallel(ds_config, args.deepspeed, model_and_config(recipe), args.ngpus)

@@ -1,0 +1,143 @@
+"""The collectives of one training step, with their exact byte volumes, for a configuration's parallel layout.
+
+Per micro-step (each of the gradient-accumulation steps) and per optimizer step, per rank:
+
+* ZeRO-3: an all-gather of every non-persistent parameter (the rank's TP shard) for each layer's
+  forward and again for its backward. memtrain makes decoder layers ZeRO-3 leaf modules, so a
+  recompute runs inside the backward's gather and fetches nothing more (memtrain.config.zero3).
+  Where DeepSpeed's `stage3_max_reuse_distance` reaches over the whole trace (about 2 x the
+  parameters), the forward's gather stays until the backward: one gather per micro-step (the rule
+  memtrain.memory.states measured). Then a reduce-scatter of the trained gradients. No gather at
+  all where nothing is sharded (one data-parallel rank: memtrain.config.zero3.resident).
+* ZeRO-1/2: a reduce-scatter of the gradients every micro-step (overlap_comm reduces in the
+  gradient hooks), and an all-gather of the updated parameters once per step.
+* ZeRO-0: an all-reduce of the gradients once per step (at the accumulation boundary).
+* AutoTP: 2 all-reduces of (micro-batch x tokens x hidden) per layer forward (attention and MLP
+  outputs) and 2 in the backward (their inputs' gradients); a recomputed forward repeats those it
+  re-runs (full: 2, attn or mlp: 1). A sharded LM head gathers its logits in the forward and
+  all-reduces its input's gradient in the backward.
+* Ulysses: per layer an all-to-all of q, k, v and the attention output in the forward and of their
+  gradients in the backward; a recomputed attention (full, attn) repeats the forward's four.
+  K/V heads fewer than the SP degree are repeated up to it before the exchange.
+
+`bytes` is the collective's tensor: an all-gather's output, a reduce-scatter's input, an all-reduce's
+buffer, an all-to-all's local buffer. What a rank sends over its link is `sent` (ring algorithms).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MICRO, STEP = "micro", "step"  # per micro-step, once per optimizer step
+_RECOMPUTED_TP = {"full": 2, "attn": 1, "mlp": 1}  # forward all-reduces a recomputed unit runs again
+_RECOMPUTED_SP = {"full": 4, "attn": 4}  # forward all-to-alls (q, k, v, out) a recomputed attention runs again
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a configuration's ranks sit: TP innermost (consecutive ranks), then SP, then data parallel."""
+
+    world: int
+    gpus_per_node: int
+    tp: int = 1
+    sp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Ranks that read different batches."""
+        return self.world // (self.tp * self.sp)
+
+    @property
+    def zero(self) -> int:
+        """Ranks ZeRO shards over (SP ranks included: DeepSpeed's sequence-data-parallel group)."""
+        return self.world // self.tp
+
+    def group(self, name: str) -> tuple[int, int]:
+        """(size, stride) of the `tp`, `sp` or `zero` group of one rank."""
+        return {"tp": (self.tp, 1), "sp": (self.sp, self.tp), "zero": (self.zero, self.tp)}[name]
+
+    def crosses_nodes(self, name: str) -> bool:
+        size, stride = self.group(name)
+        return size > 1 and size * stride > self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the volumes need of a model on one TP rank (elements, not bytes)."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    params: int  # one TP rank's parameters
+    persistent: int  # ZeRO-3: elements at or under the persistence threshold (never gathered)
+    trained: int  # elements with a gradient
+    sharded_head: bool  # AutoTP shards the LM head (untied): its logits are gathered
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all
+    group: str  # tp | sp | zero
+    bytes: float  # the tensor of all its calls together (see the module doc)
+    calls: int
+    phase: str  # MICRO or STEP
+    what: str
+
+    def sent(self, n: int) -> float:
+        """Bytes one rank sends over its link in a group of n (ring all-gather/reduce-scatter (n-1)/n,
+        ring all-reduce 2(n-1)/n, all-to-all (n-1)/n of its buffer)."""
+        if n <= 1:
+            return 0.0
+        return self.bytes * (n - 1) / n * (2 if self.kind == "all_reduce" else 1)
+
+
+def zero_collectives(shape: ModelShape, stage: int, elem: int, layout: Layout, gathers_per_micro: int,
+                     resident: bool) -> list[Collective]:
+    """ZeRO's collectives: `gathers_per_micro` is 2 (forward and backward) or 1 (kept from forward to backward)."""
+    if layout.zero <= 1:
+        return []
+    units = shape.layers + 1  # each decoder layer, and the modules around them (embeddings, norm, head)
+    if stage == 3:
+        out = []
+        if not resident:
+            out.append(Collective("all_gather", "zero", elem * (shape.params - shape.persistent) * gathers_per_micro,
+                                  units * gathers_per_micro, MICRO, "ZeRO-3 parameter gathers"))
+        out.append(Collective("reduce_scatter", "zero", elem * shape.trained, units, MICRO,
+                              "ZeRO-3 gradient reduce-scatter"))
+        return out
+    if stage in (1, 2):
+        return [Collective("reduce_scatter", "zero", elem * shape.trained, units, MICRO, f"ZeRO-{stage} gradient reduction"),
+                Collective("all_gather", "zero", elem * shape.params, 1, STEP, f"ZeRO-{stage} updated parameters")]
+    return [Collective("all_reduce", "zero", elem * shape.trained, units, STEP, "ZeRO-0 gradient all-reduce")]
+
+
+def tp_collectives(shape: ModelShape, tokens: int, elem: int, modes: tuple[str, ...], layout: Layout) -> list[Collective]:
+    """AutoTP's all-reduces for `tokens` (micro-batch x tokens per rank) under per-layer modes."""
+    if layout.tp <= 1:
+        return []
+    act = elem * tokens * shape.hidden
+    calls = 4 * shape.layers + sum(_RECOMPUTED_TP.get(m, 0) for m in modes)
+    out = [Collective("all_reduce", "tp", act * calls, calls, MICRO, "TP layer all-reduces")]
+    if shape.sharded_head:
+        out += [Collective("all_gather", "tp", elem * tokens * shape.vocab, 1, MICRO, "TP LM-head logits gather"),
+                Collective("all_reduce", "tp", act, 1, MICRO, "TP LM-head input gradient")]
+    return out
+
+
+def sp_collectives(shape: ModelShape, tokens: int, elem: int, modes: tuple[str, ...], layout: Layout) -> list[Collective]:
+    """Ulysses' all-to-alls for `tokens` (micro-batch x this rank's slice of the sequence)."""
+    if layout.sp <= 1:
+        return []
+    kv = max(shape.kv_heads, layout.sp)
+    per_layer = elem * tokens * shape.head_dim * (2 * shape.heads + 2 * kv)  # q, out; k, v
+    runs = 2 * shape.layers + sum(_RECOMPUTED_SP.get(m, 0) for m in modes) // 4
+    return [Collective("all_to_all", "sp", per_layer * runs, 4 * runs, MICRO, "Ulysses all-to-alls")]
+
+
+def step_collectives(shape: ModelShape, stage: int, elem: int, layout: Layout, tokens: int, modes: tuple[str, ...],
+                     gathers_per_micro: int = 2, resident: bool = False) -> list[Collective]:
+    """Every collective of a step of this configuration (see the module doc)."""
+    return (zero_collectives(shape, stage, elem, layout, gathers_per_micro, resident)
+            + tp_collectives(shape, tokens, elem, modes, layout) + sp_collectives(shape, tokens, elem, modes, layout))

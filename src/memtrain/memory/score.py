@@ -1,0 +1,153 @@
+"""One configuration of the whole-configuration search, scored: peak GPU memory, host memory per node, step time.
+
+Its peak comes from the memory model `make plan` and the trainer use (`memtrain.memory.predict` on the
+configuration's own target and model states); its collectives from `memtrain.memory.comm_volume`; its
+step time from `memtrain.memory.step_time`, at the hardware sheet's rates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from memtrain.config.zero3 import resident
+from memtrain.memory.comm_volume import Layout, ModelShape, step_collectives
+from memtrain.memory.hardware import Hardware
+from memtrain.memory.plan_files import family_ds, family_recipe
+from memtrain.memory.planner import available_choices, choice_seconds, may_offload
+from memtrain.memory.predict import LayerChoice, Prediction, predict
+from memtrain.memory.profile import ActivationProfile, profile_activations
+from memtrain.memory.rates import Rates
+from memtrain.memory.states import ModelStates, keeps_gathered, persistent_elements, zero_config
+from memtrain.memory.step_time import StepTime, optimizer_seconds, step_time
+from memtrain.memory.target import Target, make_target, recompute_spec
+
+
+@dataclass(frozen=True)
+class Config:
+    """The eight choices of one configuration."""
+
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    tp: int
+    sp: int
+    micro_batch: int
+    grad_accum: int
+    activation_offload: bool  # the JSON's cpu_checkpointing (the plan may offload checkpointed inputs)
+
+    def label(self) -> str:
+        off = "+".join(n for n, on in (("opt", self.offload_optimizer), ("param", self.offload_param)) if on)
+        return (f"z{self.zero_stage}" + (f" off:{off}" if off else "") + f" tp{self.tp} sp{self.sp} "
+                f"mb{self.micro_batch} ga{self.grad_accum}" + (" act-off" if self.activation_offload else ""))
+
+
+@dataclass
+class Scored:
+    config: Config
+    layers: tuple[LayerChoice, ...]  # the per-layer recompute/offload plan
+    prediction: Prediction
+    host_per_node: int
+    time: StepTime
+    tokens_per_s: float
+    mfu: float
+    family: Optional["Family"] = None  # what re-scoring it needs
+    ds: Optional[dict] = None
+    states: Optional[ModelStates] = None
+    exact: bool = False  # scored on a profile measured at its own micro-batch (not scaled from 1)
+
+    @property
+    def peak(self) -> int:
+        return self.prediction.peak
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a (TP, SP, activation offload) family shares: its JSON, recipe, target, profile and choices."""
+
+    tp: int
+    sp: int
+    activation_offload: bool
+    ds: dict
+    recipe: object
+    target: Target
+    profile: ActivationProfile
+    choices: tuple[LayerChoice, ...]
+
+
+def sheet_rates(hw: Hardware) -> Rates:
+    """The per-layer solver's rates from the sheet (not this machine's)."""
+    return Rates(hw.flops_per_s, hw.hbm_bytes_per_s * hw.hbm_efficiency, hw.host_bytes_per_s, "cuda")
+
+
+def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, activation_offload: bool,
+                rates: Rates) -> Optional[Family]:
+    ds = family_ds(base_ds, tp, activation_offload)
+    r = family_recipe(recipe, sp)
+    spec = recompute_spec(r, ds, "cuda")
+    target = make_target(r, ds, world, spec=spec)
+    profile = profile_activations(config, target)
+    choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
+    if activation_offload and not any(c.offload for c in choices):
+        return None
+    return Family(tp, sp, activation_offload, ds, r, target, profile, choices)
+
+
+def model_shape(config, profile: ActivationProfile, target: Target, persistent: int) -> ModelShape:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    from memtrain.memory.tensor_parallel import supports
+
+    return ModelShape(text.num_hidden_layers, text.hidden_size, text.vocab_size, heads,
+                      getattr(text, "num_key_value_heads", None) or heads,
+                      getattr(text, "head_dim", None) or text.hidden_size // heads, profile.num_params, persistent,
+                      target.trained(profile.num_params),
+                      target.tp > 1 and not getattr(text, "tie_word_embeddings", False) and supports(text))
+
+
+_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every configuration of one search shares."""
+
+    hw: Hardware
+    layout_world: int
+    seq_len: int
+    global_tokens: int
+    budget: int
+    host_budget: int
+    flops_per_token: float  # the model's training FLOPs per token (no recompute)
+    rates: Rates
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.layout_world, self.hw.gpus_per_node)
+
+
+def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage: int, offload_opt: bool,
+          offload_param: bool, mb: int, ga: int, plan: tuple[LayerChoice, ...]) -> Scored:
+    """Memory, host memory and step time of one configuration whose per-layer plan is `plan`."""
+    profile = fam.profile if fam.profile.target.micro_batch_size == mb else fam.profile.scaled(mb)
+    layout = Layout(s.layout_world, s.hw.gpus_per_node, fam.tp, fam.sp)
+    pred = predict(profile, states, plan)
+    zero = zero_config(ds)
+    elem = _ELEMENT[fam.target.dtype]
+    persistent = persistent_elements(profile, zero) if stage == 3 else 0
+    shape = model_shape(config, profile, fam.target, persistent)
+    gathers = 1 if keeps_gathered(zero, profile.num_params, layout.zero) else 2
+    collectives = step_collectives(shape, stage, elem, layout, mb * fam.target.seq_len, tuple(c.mode for c in plan),
+                                   gathers, resident(ds, layout.zero))
+    trained_rank = shape.trained // (layout.zero if stage >= 1 else 1)
+    copies_micro = elem * shape.trained / layout.zero if offload_opt else 0.0
+    if offload_param:
+        copies_micro += elem * (shape.params - persistent) / layout.zero * gathers
+    copies_step = elem * shape.params / layout.zero if offload_opt else 0.0
+    time = step_time(s.hw, layout, collectives, s.flops_per_token * mb * s.seq_len / (fam.tp * fam.sp),
+                     sum(choice_seconds(profile, s.rates, c) for c in plan), ga,
+                     optimizer_seconds(s.hw, trained_rank, offload_opt, s.ranks_per_node), copies_micro, copies_step)
+    tokens_per_s = s.global_tokens / time.seconds
+    cfg = Config(stage, offload_opt, offload_param, fam.tp, fam.sp, mb, ga, fam.activation_offload)
+    return Scored(cfg, plan, pred, s.ranks_per_node * (states.host + pred.host_activations), time, tokens_per_s,
+                  s.flops_per_token * tokens_per_s / (s.layout_world * s.hw.peak_flops), fam, ds, states,
+                  exact=profile.target.micro_batch_size == fam.profile.target.micro_batch_size)

@@ -1,0 +1,98 @@
+"""A configuration's predicted step time, term by term, from its FLOPs, collectives and copies on a hardware sheet.
+
+    micro-step = compute + recompute/offload (the per-layer solver's seconds)
+               + exposed ZeRO communication + TP all-reduces + Ulysses all-to-alls + exposed offload copies
+    step       = grad_accum x micro-step + the step's own collectives + the optimizer step
+
+* compute: the model's FLOPs on this rank / (dense peak x compute efficiency; the sheet's, or calibrated);
+* recompute and activation offload: `memtrain.memory.planner.choice_seconds` of each layer's choice
+  at the sheet's rates (the same seconds the per-layer solver minimises);
+* a collective: the bytes a rank sends (`memtrain.memory.comm_volume`, ring algorithms) / the link's
+  rate (inside a node or across nodes, by where its group's ranks sit) + a latency per call;
+* overlap (an assumption, ZERO_OVERLAP): DeepSpeed runs ZeRO's gathers (prefetch) and gradient
+  reductions (overlap_comm) on side streams, hidden behind up to that fraction of the micro-step's
+  compute; AutoTP's all-reduces and Ulysses' all-to-alls sit on the compute path and are never hidden;
+  the step's own collectives (ZeRO-0's all-reduce, ZeRO-1/2's parameter all-gather) run after the
+  backward and are never hidden;
+* optimizer: Adam streams ADAM_BYTES_PER_PARAM per trained parameter of the rank's partition,
+  through HBM on the GPU, or through the node's host memory with CPU Adam (offload_optimizer; the
+  node's ranks share its bandwidth);
+* offload copies: gradients to the host every micro-step and parameters back every step
+  (offload_optimizer), each parameter gather's partition from the host (offload_param), at the
+  host link's rate, not hidden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memtrain.memory.comm_volume import MICRO, Collective, Layout
+from memtrain.memory.hardware import Hardware
+
+# Fraction of a micro-step's compute time behind which DeepSpeed hides ZeRO's side-stream collectives
+# (stage-3 prefetch gathers, overlap_comm reductions). An assumption, not measured: Galvatron reports
+# overlapped communication slowing compute by 1.1-1.3x (shared/notes/planner-anchors.md), i.e. most,
+# not all, of it hidden.
+ZERO_OVERLAP = 0.8
+# Seconds each collective call costs beyond its bytes: Calculon's systems/h100_80g_nvl8.json
+# (NVLink 10 us, InfiniBand 20 us).
+LATENCY_S = {False: 10e-6, True: 20e-6}  # crosses nodes?
+# Adam per trained parameter: fp32 master, exp_avg and exp_avg_sq read and written (24), the fp32
+# gradient read (4), the compute-dtype parameter written back (2).
+ADAM_BYTES_PER_PARAM = 30
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by term (each already multiplied out over the step's micro-steps)."""
+
+    terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def binding(self) -> str:
+        """The term that costs the most."""
+        return max(self.terms, key=self.terms.get)
+
+
+def collective_seconds(c: Collective, layout: Layout, hw: Hardware) -> float:
+    n, _ = layout.group(c.group)
+    if n <= 1:
+        return 0.0
+    across = layout.crosses_nodes(c.group)
+    rate = hw.inter_bytes_per_s if across else hw.intra_bytes_per_s
+    return c.sent(n) / rate + c.calls * LATENCY_S[across]
+
+
+def optimizer_seconds(hw: Hardware, trained_per_rank: int, offload: bool, ranks_per_node: int) -> float:
+    moved = ADAM_BYTES_PER_PARAM * trained_per_rank
+    if offload:
+        return moved * ranks_per_node / (hw.host_mem_bytes_per_s * hw.host_memory_efficiency)
+    return moved / (hw.hbm_bytes_per_s * hw.hbm_efficiency)
+
+
+def step_time(hw: Hardware, layout: Layout, collectives: list[Collective], model_flops: float, ac_seconds: float,
+              grad_accum: int, optimizer_s: float, host_copy_micro: float = 0.0, host_copy_step: float = 0.0) -> StepTime:
+    """`model_flops` per micro-step on one rank; `ac_seconds` the per-layer solver's seconds per micro-step;
+    `host_copy_*` bytes a rank copies over its host link per micro-step / per step."""
+    compute = model_flops / hw.flops_per_s
+    per = {"zero": 0.0, "tp": 0.0, "sp": 0.0}
+    stepwise = 0.0
+    for c in collectives:
+        s = collective_seconds(c, layout, hw)
+        if c.phase == MICRO:
+            per[c.group] += s
+        else:
+            stepwise += s
+    hidden = min(per["zero"], ZERO_OVERLAP * compute)
+    return StepTime({
+        "compute": grad_accum * compute,
+        "recompute": grad_accum * ac_seconds,
+        "zero_comm": grad_accum * (per["zero"] - hidden) + stepwise,
+        "tp_comm": grad_accum * per["tp"],
+        "sp_comm": grad_accum * per["sp"],
+        "offload_copies": (grad_accum * host_copy_micro + host_copy_step) / hw.host_bytes_per_s,
+        "optimizer": optimizer_s,
+    })

@@ -1,0 +1,311 @@
+"""The whole-configuration search (`make plan --search`): hardware sheets, exact collective volumes, the step-time
+terms, dropped configurations with their reasons, and the winner's written JSON + recipe, which preflight accepts
+and whose memory is what `make plan` predicts for it. In-process, on the tiny recipe: seconds."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+from memtrain.errors import UserError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+H100 = ROOT / "hardware" / "h100-sxm-8x.yaml"
+DS = ROOT / "ds_configs" / "zero3_ckpt.json"
+
+
+def _tiny(*overrides):
+    from memtrain.config.recipe import load_recipe
+
+    return load_recipe(None, ["data.seq_len=64", *overrides])
+
+
+def _hardware(tmp_path: Path, **figures):
+    """The H100 sheet with `figures` ("gpu.memory": "0.05GiB") from a calibration file."""
+    from memtrain.memory.hardware import load_hardware
+
+    cal: dict = {"source": "test"}
+    for key, value in figures.items():
+        section, name = key.split(".")
+        cal.setdefault(section, {})[name] = value
+    path = tmp_path / "cal.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(cal))
+    return load_hardware(H100, path)
+
+
+def test_sheets_load_and_calibration_overrides(tmp_path):
+    from memtrain.memory.hardware import load_hardware
+
+    for sheet in sorted((ROOT / "hardware").glob("*.yaml")):
+        hw = load_hardware(sheet)
+        assert hw.gpus_per_node == 8 and hw.peak_flops > 1e14 and all(o == "sheet" for _, _, o in hw.figures())
+    hw = _hardware(tmp_path, **{"gpu.host_gb_per_s": 40, "efficiency.compute": 0.5})
+    assert hw.host_bytes_per_s == 40e9 and hw.flops_per_s == pytest.approx(989.4e12 * 0.5)
+    origins = {k: o for k, _, o in hw.figures()}
+    assert origins["gpu.host_gb_per_s"].endswith("cal.yaml") and origins["gpu.bf16_tflops"] == "sheet"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(H100.read_text().replace("bf16_tflops: 989.4", "bf16_tflops: fast"))
+    with pytest.raises(UserError, match=r"bad.yaml: gpu.bf16_tflops: .*'fast'"):
+        load_hardware(bad)
+    (tmp_path / "cal2.yaml").write_text("gpu:\n  nvlink: 3\n")
+    with pytest.raises(UserError, match=r"cal2.yaml: unknown key 'gpu.nvlink'"):
+        load_hardware(H100, tmp_path / "cal2.yaml")
+
+
+def _real_params(recipe) -> int:
+    """Parameter elements of the model the trainer builds, counted on the meta model (independent of the profile)."""
+    from memtrain.model.build import build_on_meta
+    from memtrain.memory.target import model_and_config
+
+    model = build_on_meta(recipe.model, model_and_config(recipe))
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def test_collective_volumes_equal_a_hand_count():
+    from memtrain.memory.comm_volume import Layout, step_collectives
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.score import model_shape
+    from memtrain.memory.target import make_target, model_and_config
+    from memtrain.config.ds_config import load_ds_config
+
+    recipe = _tiny()
+    config = model_and_config(recipe)
+    target = make_target(recipe, load_ds_config(DS), 4, device="cuda")
+    profile = profile_activations(config, target)
+    n = _real_params(recipe)
+    shape = model_shape(config, profile, target, persistent=0)
+    assert shape.params == n  # the profile's parameter count is the model's
+
+    def total(colls, kind, group):
+        return sum(c.bytes for c in colls if c.kind == kind and c.group == group)
+
+    L, H, B, S = 4, 128, 8, 64  # the tiny model's layers and hidden size; a micro-step's batch and tokens
+    z3 = step_collectives(shape, 3, 2, Layout(4, 8), B * S, ("keep",) * L)
+    assert total(z3, "all_gather", "zero") == 2 * 2 * n  # forward + backward gathers of every bf16 parameter
+    assert total(z3, "reduce_scatter", "zero") == 2 * n  # the gradients, once
+    # recompute re-gathers nothing (leaf layers); a forward kept to the backward gathers once
+    assert total(step_collectives(shape, 3, 2, Layout(4, 8), B * S, ("full",) * L), "all_gather", "zero") == 4 * n
+    assert total(step_collectives(shape, 3, 2, Layout(4, 8), B * S, ("keep",) * L, 1), "all_gather", "zero") == 2 * n
+    z2 = step_collectives(shape, 2, 2, Layout(4, 8), B * S, ("keep",) * L)
+    assert total(z2, "reduce_scatter", "zero") == 2 * n and total(z2, "all_gather", "zero") == 2 * n
+    assert total(step_collectives(shape, 0, 2, Layout(4, 8), B * S, ("keep",) * L), "all_reduce", "zero") == 2 * n
+    assert step_collectives(shape, 3, 2, Layout(1, 8), B * S, ("keep",) * L) == []  # a world of one talks to no one
+
+    tp_shape = model_shape(config, profile, make_target(recipe, load_ds_config(DS), 4, device="cuda"), 0)
+    tp = step_collectives(tp_shape, 3, 2, Layout(4, 8, tp=2), B * S, ("keep",) * L)
+    assert total(tp, "all_reduce", "tp") == 4 * L * B * S * H * 2  # 2 forward + 2 backward per layer
+    tp_full = step_collectives(tp_shape, 3, 2, Layout(4, 8, tp=2), B * S, ("full",) * L)
+    assert total(tp_full, "all_reduce", "tp") == 6 * L * B * S * H * 2  # + a recomputed forward's 2
+
+    heads, head_dim = 4, 32
+    sp = step_collectives(shape, 3, 2, Layout(4, 8, sp=2), B * S // 2, ("keep",) * L)
+    qkvo = 4 * B * (S // 2) * heads * head_dim * 2  # q, k, v and the output, this rank's slice, all heads
+    assert total(sp, "all_to_all", "sp") == 2 * L * qkvo  # forward and backward
+    sp_full = step_collectives(shape, 3, 2, Layout(4, 8, sp=2), B * S // 2, ("full",) * L)
+    assert total(sp_full, "all_to_all", "sp") == 3 * L * qkvo
+
+
+def test_step_time_terms_by_hand(tmp_path):
+    from memtrain.memory.comm_volume import MICRO, STEP, Collective, Layout
+    from memtrain.memory.step_time import LATENCY_S, ZERO_OVERLAP, optimizer_seconds, step_time
+
+    hw = _hardware(tmp_path)
+    two_nodes = Layout(16, 8)  # the ZeRO group crosses nodes: the network's rate
+    gather = Collective("all_gather", "zero", 8e9, 10, MICRO, "g")
+    t = step_time(hw, two_nodes, [gather], model_flops=1e13, ac_seconds=0.0, grad_accum=2, optimizer_s=0.0)
+    compute = 1e13 / (989.4e12 * 0.328)
+    comm = 8e9 * 15 / 16 / (50e9 * 0.9) + 10 * LATENCY_S[True]
+    assert t.terms["compute"] == pytest.approx(2 * compute)
+    assert t.terms["zero_comm"] == pytest.approx(2 * max(comm - ZERO_OVERLAP * compute, 0))
+    one_node = Layout(8, 8, tp=8)  # TP inside a node: NVLink, all-reduce 2(n-1)/n, never hidden
+    ar = Collective("all_reduce", "tp", 1e9, 4, MICRO, "tp")
+    step = Collective("all_reduce", "zero", 1e9, 1, STEP, "z0")
+    t = step_time(hw, one_node, [ar, step], 1e13, 0.0, 3, 0.0)
+    assert t.terms["tp_comm"] == pytest.approx(3 * (1e9 * 2 * 7 / 8 / (450e9 * 0.65) + 4 * LATENCY_S[False]))
+    assert t.terms["zero_comm"] == 0.0  # a ZeRO group of 8 / tp 8 = 1 rank
+    assert optimizer_seconds(hw, 10**9, False, 8) == pytest.approx(30e9 / (3350e9 * 0.9))
+    assert optimizer_seconds(hw, 10**9, True, 8) == pytest.approx(8 * 30e9 / (614e9 * 0.5))
+
+
+def test_search_drops_what_cannot_run_with_its_reason(tmp_path):
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.search import search
+
+    recipe = _tiny("data.seq_len=126")  # 4 heads: TP 8 and SP 8 cannot split them; 126 tokens: SP 4 cannot
+    hw = _hardware(tmp_path, **{"gpu.memory": "0.03GiB"})
+    # 8 GPUs, 126 x 8 x 4 tokens: micro-batch 8 cannot make the global batch over 8 data-parallel ranks
+    result = search(recipe, load_ds_config(DS), hw, 1, 126 * 8 * 4, host_budget=1 << 20, micro_batches=(1, 4, 8),
+                    exact_top=3)
+    reasons = dict(result.dropped)
+    assert any(r.startswith("TP does not divide the attention heads (4)") for r in reasons), reasons
+    assert any(r.startswith("SP does not divide the attention heads (4)") for r in reasons), reasons
+    assert any(r.startswith("SP does not divide the sequence (126)") for r in reasons), reasons
+    assert any(r.startswith("global batch not reachable") for r in reasons), reasons
+    assert any(r.startswith("GPU memory exceeded") for r in reasons), reasons
+    assert any(r.startswith("host RAM per node exceeded") for r in reasons), reasons  # 1 MiB: no offload fits
+    assert result.scored and all(s.peak <= result.budget for s in result.scored)
+    assert all(s.config.micro_batch * 126 * s.config.grad_accum * 8 // (s.config.tp * s.config.sp) == 126 * 8 * 4
+               for s in result.scored)
+    assert not any(s.config.offload_optimizer or s.config.offload_param for s in result.scored)
+
+
+def test_written_plan_validates_and_its_memory_is_make_plans(tmp_path):
+    """The winner's files pass preflight's checks, and `make plan`'s memory model gives the search's peak for them."""
+    from memtrain.config.args import parse_args
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory.predict import predict
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.search import search
+    from memtrain.memory.states import model_states
+    from memtrain.memory.target import make_target, model_and_config
+    from memtrain.tools.plan import plan_report
+    from memtrain.tools.plan_search import write_plan
+    from memtrain.train.preflight import check_run
+
+    recipe = _tiny()
+    for memory, check_make_plan in (("0.5GiB", True), ("0.012GiB", False)):  # everything kept; recompute needed
+        hw = _hardware(tmp_path, **{"gpu.memory": memory})
+        result = search(recipe, load_ds_config(DS), hw, 1, 64 * 8 * 8, micro_batches=(2, 8), exact_top=3)
+        best = result.scored[0]
+        out = tmp_path / f"plan-{memory}"
+        ds_path, recipe_path = write_plan(result, recipe, best, out)
+        written, ds = load_recipe(str(recipe_path)), load_ds_config(ds_path)
+        assert written.train.micro_batch_size == best.config.micro_batch
+        assert written.train.grad_accum_steps == best.config.grad_accum
+        assert written.parallel.sequence == best.config.sp
+        assert ds["zero_optimization"]["stage"] == best.config.zero_stage
+        if check_make_plan:  # preflight plans `policy: auto` for this machine (CPU: fp32), the plan is for GPUs (bf16)
+            args = parse_args(["--deepspeed", str(ds_path), "--recipe", str(recipe_path), "--run-dir",
+                               str(tmp_path / "run")])
+            check_run(args, 8)  # raises UserError on anything preflight refuses
+        target = make_target(written, ds, 8, device="cuda")
+        profile = profile_activations(model_and_config(written), target).scaled(best.config.micro_batch)
+        assert predict(profile, model_states(profile, ds, target), best.layers).peak == best.peak
+        if check_make_plan:
+            assert {str(c) for c in best.layers} == {"keep"}
+            report = plan_report(written, ds, 8, "cuda", None)
+            assert report["policies"]["keep"]["peak"] == best.peak
+        else:
+            assert any(c.mode != "keep" for c in best.layers)
+
+
+def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
+    """Every scored configuration's per-layer plan takes as little time as a fresh solve of its own limit
+    (the search reuses solves across ZeRO variants), and fits."""
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.planner import activation_limit, choice_seconds, solve
+    from memtrain.memory.search import search
+
+    ds = load_ds_config(DS)
+    ds["zero_optimization"].update(reduce_bucket_size=1e5, stage3_prefetch_bucket_size=1e5)  # buckets that fit
+    result = search(_tiny(), ds, _hardware(tmp_path, **{"gpu.memory": "0.006GiB"}), 1, 64 * 8 * 8,
+                    micro_batches=(1, 2, 4, 8), exact_top=3)
+    solved = 0
+    for x in result.scored:
+        fam = x.family
+        profile = fam.profile if x.exact else fam.profile.scaled(x.config.micro_batch)
+        seconds = {c: choice_seconds(profile, result.rates, c) for c in fam.choices}
+        fresh = solve(profile, activation_limit(profile, x.states, fam.choices, result.budget), fam.choices, seconds,
+                      backward_extra=x.states.backward)
+        if all(c.mode == "keep" for c in x.layers):
+            continue
+        solved += 1
+        assert fresh is not None and x.peak <= result.budget
+        assert sum(seconds[c] for c in x.layers) == pytest.approx(sum(seconds[c] for c in fresh), rel=1e-12, abs=1e-15)
+    assert solved > 10
+
+
+def test_ulysses_buffers_in_the_sp_profile():
+    """An SP rank's profile carries two copies of its q, k, v beside what the same tokens without SP measure."""
+    from dataclasses import replace
+
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.target import make_target, model_and_config
+
+    recipe = _tiny()
+    config = model_and_config(recipe)
+    plain = make_target(recipe, load_ds_config(DS), 2, device="cuda")
+    sp = replace(plain, sequence_parallel=2)  # same tokens per rank (64), exchanged over 2 ranks
+    a, b = profile_activations(config, plain), profile_activations(config, sp)
+    qkv = 8 * 64 * 32 * (4 + 2 * 4) * 2  # micro-batch 8 x 64 tokens x head_dim 32 x (4 q + 4 k + 4 v heads), bf16
+    for mode in a.layers:
+        assert b.layers[mode].fwd_excess - a.layers[mode].fwd_excess == 2 * qkv
+        assert b.layers[mode].bwd_excess - a.layers[mode].bwd_excess == 2 * qkv
+        assert b.layers[mode].saved == a.layers[mode].saved
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--search", "--nodes", "1", "--global-batch-tokens", "4096"],
+     "--search: needs --hardware FILE, --nodes N and --global-batch-tokens T"),
+    (["--search", "--hardware", "hardware/none.yaml", "--nodes", "1", "--global-batch-tokens", "4096"],
+     "hardware/none.yaml: hardware sheet not found"),
+    (["--search", "--hardware", str(H100), "--nodes", "0", "--global-batch-tokens", "4096"],
+     "--nodes and --global-batch-tokens: must be positive"),
+])
+def test_search_flags_one_line(capsys, argv, expected):
+    from memtrain.tools.plan import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code != 0 and err == [f"memtrain: error: {expected}"], err
+
+
+def test_calibration_from_a_gpu_check_report(tmp_path, capsys):
+    """gpu-check's memtrain:none MFU becomes the sheet's compute efficiency, marked as calibrated."""
+    from memtrain.memory.hardware import load_hardware
+    from memtrain.tools.plan import main
+
+    report = tmp_path / "gpu.json"
+    report.write_text(json.dumps({"title": "gpu-check llama-1b 1 GPU", "results": [
+        {"setup": "torch:noac", "tokens_per_s": 44354.0},
+        {"setup": "memtrain:none", "tokens_per_s": 36655.0, "mfu": 0.271, "measured_at": "2026-11-23 10:00"}]}))
+    cal = tmp_path / "cal.yaml"
+    cal.write_text("gpu:\n  host_gb_per_s: 52\n")  # a figure measured before stays
+    main(["--calibrate-from", str(report), "--hardware", str(H100), "--calibration", str(cal)])
+    hw = load_hardware(H100, cal)
+    origin = {k: o for k, _, o in hw.figures()}
+    assert hw.compute_efficiency == 0.271 and hw.host_bytes_per_s == 52e9
+    assert origin["efficiency.compute"] == str(cal) and origin["gpu.bf16_tflops"] == "sheet"
+    assert "memtrain:none, 2026-11-23 10:00" in cal.read_text()
+    report.write_text(json.dumps({"results": [{"setup": "torch:noac", "tokens_per_s": 1.0}]}))
+    with pytest.raises(SystemExit):
+        main(["--calibrate-from", str(report), "--hardware", str(H100), "--calibration", str(cal)])
+    assert "no measured 'memtrain:none' set-up" in capsys.readouterr().err
+
+
+def test_faster_links_are_never_slower_and_one_rank_talks_to_no_one(tmp_path):
+    """Metamorphic: every term of every scored configuration's step time is no larger on a sheet with faster links."""
+    from dataclasses import replace
+
+    from memtrain.memory.comm_volume import Layout, step_collectives
+    from memtrain.memory.score import model_shape
+    from memtrain.memory.step_time import step_time
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.target import make_target, model_and_config
+    from memtrain.config.ds_config import load_ds_config
+
+    recipe = _tiny()
+    config = model_and_config(recipe)
+    target = make_target(recipe, load_ds_config(DS), 16, device="cuda")
+    shape = model_shape(config, profile_activations(config, target), target, 0)
+    slow = _hardware(tmp_path)
+    fast = replace(slow, intra_bytes_per_s=2 * slow.intra_bytes_per_s, inter_bytes_per_s=2 * slow.inter_bytes_per_s)
+    for stage in range(4):
+        for tp, sp in ((1, 1), (2, 1), (1, 2), (8, 1), (1, 16)):
+            layout = Layout(16, 8, tp, sp)
+            colls = step_collectives(shape, stage, 2, layout, 8 * 64 // sp, ("full", "keep") * 2)
+            a, b = (step_time(hw, layout, colls, 1e9, 0.0, 4, 0.0).terms for hw in (slow, fast))
+            assert all(b[k] <= a[k] for k in a) and a["compute"] == b["compute"], (stage, tp, sp, a, b)
+            assert sum(a.values()) > a["compute"]  # something crossed a link
+    alone = step_time(slow, Layout(1, 8), step_collectives(shape, 3, 2, Layout(1, 8), 512, ("keep",) * 4),
+                      1e9, 0.0, 4, 0.0).terms
+    assert alone["zero_comm"] == alone["tp_comm"] == alone["sp_comm"] == 0.0
