@@ -6,6 +6,7 @@ import sys
 # command -> (module whose main(argv) runs it, arguments put first, what it does)
 COMMANDS = {
     "train": ("memtrain.train.main", (), "train in this process (under a launcher: src/train.py, same flags)"),
+    "prepare-data": ("memtrain.tools.prepare_data", (), "tokenize a recipe's corpus into its token store before a job"),
     "preflight": ("memtrain.train.preflight", (), "every check of a run, before any worker starts (make train runs it)"),
     "plan": ("memtrain.tools.plan", (), "predicted peak memory per device for each AC policy; a budget's best plan"),
     "explain-config": ("memtrain.tools.explain_config", (), "one line per key of a DeepSpeed JSON: what the run does"),

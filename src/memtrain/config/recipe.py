@@ -89,9 +89,15 @@ class DataSection(_Strict):
     the one chosen: `Recipe` fills it in)."""
     seq_len: PositiveInt = 128
     max_bytes: Optional[PositiveInt] = 8_000_000
-    """Read at most this many bytes of text (keeps the default corpus small)."""
+    """Read at most this many characters of text (keeps the default corpus small); null: every file whole."""
     cache_dir: str = ".cache/memtrain"
-    """Packed token arrays are cached here, keyed by files, tokenizer and seq_len."""
+    """Token stores (`store-<key>/`, keyed by files, tokenizer, text_key and max_bytes, not seq_len) and packed
+    chat rows are cached here (memtrain.model.token_store)."""
+    workers: Optional[PositiveInt] = None
+    """Processes that tokenize a store's build. Default: the cores this process may run on."""
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    """Documents held out for evaluation, chosen by a fixed-salt hash of each document's text (not train.seed): no
+    eval document is in a training row. 0: no eval split."""
     format: Literal["text", "chat", "instruction"] = "text"
     """text: documents packed end to end, every token trained on. chat: JSONL rows whose `messages_key` holds
     [{role, content}, ...]; instruction: `prompt_key` / `response_key` columns (a user and an assistant turn).

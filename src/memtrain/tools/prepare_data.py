@@ -1,0 +1,55 @@
+"""`python -m memtrain prepare-data`: build a recipe's token store ahead of a job (for example once on a login node,
+on shared storage) and print one line: documents, tokens, bytes, seconds, where."""
+from __future__ import annotations
+
+import time
+from argparse import ArgumentParser
+from pathlib import Path
+from typing import Optional
+
+from memtrain.errors import UserError, cli_entry
+
+
+def summary(store, built_here: bool, seconds: float, rows: dict[str, int], seq_len: int) -> str:
+    m = store.manifest
+    how = f"built in {m['seconds']:.1f} s with {m['workers']} worker(s)" if built_here else \
+        f"already built (opened in {seconds:.2f} s)"
+    split = ", ".join(f"{name} {n}" for name, n in rows.items())
+    return (f"memtrain prepare-data: {m['documents']} documents, {m['tokens']} tokens, {m['chars'] / 1e6:.1f} MB of "
+            f"text, {how}; rows of seq_len {seq_len}: {split}; store {store.path}")
+
+
+@cli_entry
+def main(argv: Optional[list[str]] = None) -> None:
+    from memtrain.config.recipe import load_recipe
+    from memtrain.model.corpus_reader import resolve_files
+    from memtrain.model.sample_view import split_view
+    from memtrain.model.token_store import open_store, store_key
+    from memtrain.model.tokenizer import build_tokenizer
+
+    p = ArgumentParser(prog="python -m memtrain prepare-data",
+                       description="Tokenize a recipe's corpus into its token store (data.cache_dir) before a job; "
+                                   "a run finds it there, and a new data.seq_len re-tokenizes nothing.")
+    p.add_argument("--recipe", metavar="YAML", help="recipe file (default: the embedded tiny recipe)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a recipe key (data.paths, data.workers, data.cache_dir, ...)")
+    args = p.parse_args(argv)
+    cfg = load_recipe(args.recipe, args.overrides).data
+    if cfg.random_tokens:
+        raise UserError("data.random_tokens: true reads no file, so there is no store to prepare")
+    if cfg.format != "text":
+        raise UserError(f"data.format: '{cfg.format}' rows are packed by the run itself; prepare-data builds "
+                        "text token stores")
+    files = resolve_files(cfg)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    existed = (Path(cfg.cache_dir) / f"store-{store_key(files, cfg, tokenizer)}").exists()
+    start = time.perf_counter()
+    store = open_store(files, cfg, tokenizer)
+    seconds = time.perf_counter() - start
+    splits = ("train", "eval") if cfg.eval_fraction else ("train",)
+    rows = {name: len(split_view(store, cfg, name, len(files))) for name in splits}
+    print(summary(store, not existed, seconds, rows, cfg.seq_len))
+
+
+if __name__ == "__main__":
+    main()
