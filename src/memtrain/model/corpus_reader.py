@@ -90,15 +90,30 @@ def _load(builder: str, paths: list[str], column: str):
 
 
 def _locate(builder: str, paths: list[str], column: str, error: Exception) -> Exception:
-    """The one line for a read that failed mid-stream: the first file that fails alone, and the row it reached
-    (read again file by file: only on this error path)."""
+    """The one line for a read that failed mid-stream: the first file that fails alone (read again file by file:
+    only on this error path), and in JSON lines the first line that does not parse."""
     for path in paths:
-        rows = 0
         try:
-            for batch in _load(builder, [path], column).iter(batch_size=1):
-                rows += len(batch[column])
+            for _ in _load(builder, [path], column).iter(batch_size=BATCH):
+                pass
         except UserError as e:
             return e
         except Exception as e:  # as above
-            return NodeError(f"data.paths: cannot read {path} (row {rows + 1}): {str(e).splitlines()[0]}")
+            return NodeError(f"data.paths: cannot read {path}{_bad_line(path)}: {str(e).splitlines()[0]}")
     return NodeError(f"data.paths: cannot read {builder} files ({paths[0]} ...): {str(error).splitlines()[0]}")
+
+
+def _bad_line(path: str) -> str:
+    """' (line N)' for the first line of a JSON-lines file that is not JSON, else ''."""
+    import json
+
+    if not path.lower().endswith(".jsonl"):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError:
+                return f" (line {n})"
+    return ""

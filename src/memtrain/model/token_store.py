@@ -113,7 +113,11 @@ def build_once(target: Path, build: bool, write: Callable[[Path], None]) -> None
             return
         _remove_interrupted(target)
         tmp = target.with_name(f"{target.stem}.tmp-{socket.gethostname()}-{os.getpid()}{target.suffix}")
-        write(tmp)
+        try:
+            write(tmp)
+        except BaseException:  # a bad file or a stop: the next build starts clean (a kill leaves it: see above)
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, target)
         _fsync_dir(target.parent)
 
