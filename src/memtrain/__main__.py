@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": ("memtrain.tools.bench.__main__", (), "recompute/offload set-ups side by side on a GPU"),
     "gpu-check": ("memtrain.tools.bench.__main__", ("--gpu-check",), "the fixed GPU acceptance run -> reports/gpu/"),
     "bench-host": ("memtrain.tools.bench.host", (), "host work per step beside plain PyTorch, one CPU core"),
+    "bench-data": ("memtrain.tools.bench.data_prep", (), "token store builds: MB/s and peak RSS -> reports/data_prep.md"),
     "export": ("memtrain.tools.export", (), "write a run's model checkpoint as a transformers model"),
 }
 
