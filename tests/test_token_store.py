@@ -188,3 +188,42 @@ def test_a_file_unreadable_in_the_middle_of_a_build_is_one_line(tmp_path):
     with pytest.raises(NodeError, match=rf"^data.paths: cannot read {tmp_path}/b.jsonl \(line 2001\): "):
         prepare_data(_cfg(f"data.paths=[{tmp_path}/*.jsonl]", f"data.cache_dir={tmp_path / 'cache'}"), seed=0)
     assert not [p for p in (tmp_path / "cache").glob("store-*") if p.is_dir()]  # not even a temporary
+
+
+def test_a_blend_keeps_each_sources_share_in_every_prefix_and_its_mistakes_are_one_line(tmp_path, capsys):
+    for name, word, docs in (("a", "alpha", 400), ("b", "beta", 3000), ("c", "gamma", 900)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for i in range(docs):
+                f.write(json.dumps({"text": f"{word} " * 40 + str(i)}) + "\n")
+    weights = (0.5, 0.2, 0.3)
+    blend = "data.sources=[" + ", ".join(f"{{paths: [{tmp_path}/{n}.jsonl], weight: {w}}}"
+                                         for n, w in zip("abc", weights)) + "]"
+    common = [blend, f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=64"]
+    data = prepare_data(_cfg(*common), seed=3)
+    rows = data.rows(np.arange(len(data))).numpy().astype(np.uint8)
+    # which corpus each row came from, read from its bytes (a row holds one word only, or one word and digits/EOS)
+    words = [bytes(r).decode("latin-1") for r in rows]
+    source = np.array([next(i for i, w in enumerate(("alpha", "beta", "gamma")) if w[:4] in text or w[-4:] in text)
+                       for text in words])
+    prefix = np.arange(1, len(source) + 1)
+    for s, w in enumerate(weights):
+        behind = np.cumsum(source == s) - w * prefix
+        assert np.abs(behind).max() <= 1.5, (s, np.abs(behind).max())
+    again = prepare_data(_cfg(*common), seed=3)
+    assert again.rows(np.arange(0, len(data), 7)).equal(data.rows(np.arange(0, len(data), 7)))
+    from memtrain.tools.prepare_data import main
+
+    main(["--set", common[0], "--set", common[1], "--set", common[2], "--data-parallel", "2"])
+    plan = capsys.readouterr().out.strip().splitlines()[-1]
+    run_rows = 40 * 8 * 1 * 2  # the tiny recipe's steps x micro-batch x grad-accum, 2 data ranks
+    sizes = [len(prepare_data(_cfg(f"data.paths=[{tmp_path}/{n}.jsonl]", f"data.cache_dir={tmp_path / 'cache'}",
+                                   "data.seq_len=64"), seed=0)) for n in "abc"]
+    assert plan == (f"memtrain: data blend over {run_rows} rows: " + "; ".join(
+        f"source {s}: {n * 64 / 1e6:.1f}M tokens, {100 * w:.1f}% of rows, {run_rows * w / n:.2f} epochs"
+        for s, (n, w) in enumerate(zip(sizes, weights))))
+    with pytest.raises(UserError, match=r"data.sources.1.weight: Input should be greater than 0 \(got -1\)"):
+        _cfg(blend.replace("weight: 0.2", "weight: -1"))
+    with pytest.raises(UserError, match=r"data.paths and data.sources are both set"):
+        _cfg(blend, f"data.paths=[{tmp_path}/a.jsonl]")
+    with pytest.raises(UserError, match=r"^data.sources\[0\]: data.eval_fraction=0.001: leaves no eval rows"):
+        prepare_data(_cfg(*common, "data.eval_fraction=0.001"), seed=3)

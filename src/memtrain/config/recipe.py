@@ -78,9 +78,19 @@ class ModelSection(_Strict):
     that train beside the adapters, train.frozen takes some out."""
 
 
+class SourceSection(_Strict):
+    paths: list[str] = Field(min_length=1)
+    """This source's files or glob patterns, as data.paths."""
+    weight: PositiveFloat = 1.0
+    """Its share of the training rows, relative to the other sources' weights."""
+
+
 class DataSection(_Strict):
     paths: list[str] = Field(default_factory=list)
     """Files or glob patterns (.txt, .md, .py, .jsonl, .json, .parquet). Empty: Python's stdlib sources."""
+    sources: list[SourceSection] = Field(default_factory=list)
+    """A blend instead of data.paths: [{paths: [...], weight: 0.7}, ...]. Each source is its own token store
+    (data.max_bytes applies to each); training rows mix them by weight, deterministically (memtrain.model.blend)."""
     text_key: str = "text"
     """Column holding text in JSONL/parquet files."""
     tokenizer: Optional[str] = None
@@ -109,6 +119,14 @@ class DataSection(_Strict):
     random_tokens: bool = False
     """Train on seeded random token ids over the model's vocabulary instead of files (benchmarks:
     throughput and memory do not depend on what the tokens say). No file is read."""
+
+    @model_validator(mode="after")
+    def _paths_or_sources(self):
+        if self.sources and self.paths:
+            raise ValueError("data.paths and data.sources are both set: give each source's paths in data.sources")
+        if self.sources and self.format != "text":
+            raise ValueError(f"data.sources: blends read text; data.format '{self.format}' reads data.paths")
+        return self
 
 
 class TrainSection(_Strict):

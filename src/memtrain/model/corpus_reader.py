@@ -28,18 +28,30 @@ def default_corpus_files() -> list[Path]:
 
 
 def resolve_files(cfg: DataSection) -> list[Path]:
-    """data.paths' files in order (each pattern's matches sorted), or the default corpus's."""
+    """data.paths' files in order (each pattern's matches sorted), every source's for a blend, or the default
+    corpus's."""
+    if cfg.sources:
+        return [f for i, source in enumerate(cfg.sources) for f in _matches(source.paths, f"data.sources[{i}].paths")]
     if not cfg.paths:
         files = default_corpus_files()
         if not files:
             raise UserError("data.paths: empty, and no standard-library sources were found for the default corpus")
         return files
+    return _matches(cfg.paths, "data.paths")
+
+
+def source_sections(cfg: DataSection) -> list[DataSection]:
+    """A blend's sources, each as the data section of a corpus of its own (its paths, the other keys shared)."""
+    return [cfg.model_copy(update={"paths": source.paths, "sources": []}) for source in cfg.sources]
+
+
+def _matches(patterns: list[str], key: str) -> list[Path]:
     files: list[Path] = []
-    for i, pattern in enumerate(cfg.paths):
+    for i, pattern in enumerate(patterns):
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         matches = [Path(m) for m in matches if Path(m).is_file()]
         if not matches:
-            raise NodeError(f"data.paths[{i}]: '{pattern}' matches no file")
+            raise NodeError(f"{key}[{i}]: '{pattern}' matches no file")
         files.extend(matches)
     return files
 

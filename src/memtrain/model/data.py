@@ -18,7 +18,8 @@ import torch
 from memtrain.errors import NodeError, UserError
 from memtrain.config.recipe import DataSection
 from memtrain.model import order
-from memtrain.model.corpus_reader import builder_for, resolve_files  # noqa: F401 (resolve_files: its old home)
+from memtrain.model.blend import BlendView
+from memtrain.model.corpus_reader import builder_for, resolve_files, source_sections
 from memtrain.model.sample_view import SampleView, split_view
 from memtrain.model.token_store import build_once, open_store
 from memtrain.model.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, save_tokenizer  # noqa: F401 (their old home)
@@ -67,7 +68,7 @@ def _cache_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
 class PackedData:
     """Token sequences of length seq_len, shape [num_sequences, seq_len]: an array, or a SampleView of the store."""
 
-    sequences: np.ndarray | SampleView
+    sequences: np.ndarray | SampleView | BlendView
     vocab_size: int
     seed: int
 
@@ -134,5 +135,27 @@ def prepare_data(cfg: DataSection, seed: int, build: bool = True, split: Literal
         build_once(cache_file, build, lambda tmp: chat_data.PackedChat.save(
             tmp, *chat_data.build(_read_rows(files, cfg, cache_dir), tokenizer, cfg)))
         return chat_data.PackedChat.load(cache_file, tokenizer.vocab_size, seed)
+    if cfg.sources:
+        return PackedData(_blend(cfg, tokenizer, seed, build, split), tokenizer.vocab_size, seed)
     store = open_store(files, cfg, tokenizer, build)
     return PackedData(split_view(store, cfg, split, len(files)), tokenizer.vocab_size, seed)
+
+
+def _blend(cfg: DataSection, tokenizer, seed: int, build: bool, split: str) -> BlendView:
+    """data.sources: each source's store and `split` rows, mixed by weight for train, each eval row once for eval."""
+    views = []
+    for i, source in enumerate(source_sections(cfg)):
+        files = resolve_files(source)
+        try:
+            views.append(split_view(open_store(files, source, tokenizer, build), source, split, len(files)))
+        except UserError as e:
+            raise UserError(f"data.sources[{i}]: {e}") from None
+    weights = [s.weight for s in cfg.sources] if split == "train" else [len(v) for v in views]
+    return BlendView(views, weights, seed)
+
+
+def blend_plan_line(data: PackedData, run_rows: int) -> str:
+    """One line: each source's tokens, its share of the training rows and the epochs of it `run_rows` rows take."""
+    parts = [f"source {i}: {p['tokens'] / 1e6:.1f}M tokens, {100 * p['share']:.1f}% of rows, {p['epochs']:.2f} epochs"
+             for i, p in enumerate(data.sequences.plan(run_rows))]
+    return f"memtrain: data blend over {run_rows} rows: " + "; ".join(parts)
