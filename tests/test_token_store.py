@@ -182,11 +182,25 @@ def test_a_corpus_larger_than_the_memory_left_to_the_build_builds(tmp_path):
 
 
 def test_a_file_unreadable_in_the_middle_of_a_build_is_one_line(tmp_path):
+    """...also from a run's process, whose stop-signal handler records SIGTERM (memtrain.train.signals): the workers
+    forked from it still end when the build stops (an alarm fails the test rather than letting it hang)."""
     good = [json.dumps({"text": f"document {i} " * 20}) for i in range(3000)]
-    (tmp_path / "a.jsonl").write_text("\n".join(good) + "\n")
+    (tmp_path / "a.jsonl").write_text("\n".join(good * 30) + "\n")  # 3 chunks of work before the bad line
     (tmp_path / "b.jsonl").write_text("\n".join(good[:2000] + ['{"text": "cut'] + good[:100]) + "\n")
-    with pytest.raises(NodeError, match=rf"^data.paths: cannot read {tmp_path}/b.jsonl \(line 2001\): "):
-        prepare_data(_cfg(f"data.paths=[{tmp_path}/*.jsonl]", f"data.cache_dir={tmp_path / 'cache'}"), seed=0)
+    recorded = []
+    handlers = {sig: signal.signal(sig, lambda n, f: recorded.append(n)) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    alarm = signal.signal(signal.SIGALRM, lambda n, f: pytest.fail("the build hung"))
+    signal.alarm(120)
+    try:
+        with pytest.raises(NodeError, match=rf"^data.paths: cannot read {tmp_path}/b.jsonl \(line 2001\): "):
+            prepare_data(_cfg(f"data.paths=[{tmp_path}/*.jsonl]", f"data.cache_dir={tmp_path / 'cache'}",
+                              "data.max_bytes=null", "data.workers=2"), seed=0)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, alarm)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert not recorded
     assert not [p for p in (tmp_path / "cache").glob("store-*") if p.is_dir()]  # not even a temporary
 
 

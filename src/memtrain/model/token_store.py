@@ -11,9 +11,11 @@ A store is a directory `<cache_dir>/store-<key>/`:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -204,16 +206,23 @@ def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
 
 
 def _tokenized(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
-    """(characters, tokenize_chunk(chunk)) for each chunk, in chunk order whatever the worker count: one worker
-    tokenizes here; more run in forked processes with at most 2 x workers chunks in flight (bounded memory)."""
-    if workers <= 1:
-        for chunk in chunks:
+    """(characters, tokenize_chunk(chunk)) for each chunk, in chunk order whatever the worker count: one worker, or a
+    corpus of one chunk, tokenizes here; more run in forked processes, at most 2 x workers chunks in flight."""
+    chunks = iter(chunks)
+    head = [c for c in (next(chunks, None), next(chunks, None)) if c is not None]
+    if workers <= 1 or len(head) < 2:
+        for chunk in itertools.chain(head, chunks):
             yield sum(map(len, chunk)), tokenize_chunk(chunk, tokenizer, dtype)
         return
+    yield from _tokenized_in_pool(itertools.chain(head, chunks), tokenizer, dtype, workers)
+
+
+def _tokenized_in_pool(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
     import multiprocessing
 
     context = multiprocessing.get_context("fork")  # the tokenizer is inherited, not pickled
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype)) as pool:
+    pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype))
+    try:
         pending: deque = deque()
         for chunk in chunks:
             pending.append((sum(map(len, chunk)), pool.apply_async(_tokenize_in_worker, (chunk,))))
@@ -223,12 +232,21 @@ def _tokenized(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
         while pending:
             size, result = pending.popleft()
             yield size, result.get()
+        pool.close()  # every chunk done: the workers exit
+    finally:
+        pool.terminate()  # after close() a no-op for exited workers; on an error or a stop, ends them
+        pool.join()
 
 
 _WORKER: dict = {}
 
 
 def _init_worker(tokenizer, dtype) -> None:
+    """A worker forked from a run inherits its stop-signal handlers (memtrain.train.signals records SIGTERM rather than
+    dying): a worker dies on SIGTERM (the pool's terminate) and leaves SIGINT and SIGUSR1 to the building process."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the pool is the parallelism
     _WORKER.update(tokenizer=tokenizer, dtype=dtype)
 
