@@ -22,7 +22,7 @@ from memtrain.model.blend import BlendView
 from memtrain.model.corpus_reader import builder_for, resolve_files, source_sections
 from memtrain.model.sample_view import SampleView, split_view
 from memtrain.model.token_store import build_once, open_store
-from memtrain.model.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, save_tokenizer  # noqa: F401 (their old home)
+from memtrain.model.tokenizer import build_tokenizer, save_tokenizer  # noqa: F401 (save_tokenizer: its old home)
 
 
 def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dict]:
