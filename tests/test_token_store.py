@@ -241,3 +241,20 @@ def test_a_blend_keeps_each_sources_share_in_every_prefix_and_its_mistakes_are_o
         _cfg(blend, f"data.paths=[{tmp_path}/a.jsonl]")
     with pytest.raises(UserError, match=r"^data.sources\[0\]: data.eval_fraction=0.001: leaves no eval rows"):
         prepare_data(_cfg(*common, "data.eval_fraction=0.001"), seed=3)
+
+
+def test_a_run_builds_its_store_with_worker_processes_and_trains_on_the_split(tmp_path):
+    """2 ranks under the real launcher: the store (3 chunks, 2 worker processes forked from the rank that builds,
+    whose stop-signal handlers are the run's) is built before the ranks meet, and the run trains on the train split."""
+    from conftest import FAST, assert_ok, run_train
+
+    write_corpus(tmp_path / "corpus.jsonl", 10_000_000)
+    run = tmp_path / "run"
+    proc = run_train([*FAST, "--set", f"data.paths=[{tmp_path}/corpus.jsonl]", "--set", "data.max_bytes=null",
+                      "--set", "data.workers=2", "--set", "data.eval_fraction=0.1", "--set",
+                      f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.save_checkpoints=false",
+                      "--max-steps", "2", "--run-dir", str(run)], nproc=2, timeout=300)
+    assert_ok(proc)
+    (manifest,) = (tmp_path / "cache").glob("store-*/manifest.json")
+    assert json.loads(manifest.read_text())["workers"] == 2
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
