@@ -244,8 +244,10 @@ def test_a_blend_keeps_each_sources_share_in_every_prefix_and_its_mistakes_are_o
 
 
 def test_a_run_builds_its_store_with_worker_processes_and_trains_on_the_split(tmp_path):
-    """2 ranks under the real launcher: the store (3 chunks, 2 worker processes forked from the rank that builds,
-    whose stop-signal handlers are the run's) is built before the ranks meet, and the run trains on the train split."""
+    """2 ranks under the real launcher: the store (3 chunks, 2 worker processes forked from the rank that builds, which
+    inherit the run's stop-signal handlers) is built before the ranks meet, and the run trains on the train split.
+    (A worker that fails, or keeps the run's handler that records SIGTERM, hangs the rank: seen with the initializer
+    left out.)"""
     from conftest import FAST, assert_ok, run_train
 
     write_corpus(tmp_path / "corpus.jsonl", 10_000_000)
