@@ -9,6 +9,7 @@ DS      ?=
 ARGS    ?=
 SWEEP   ?= recipes/sweeps/tiny-cpu.yaml
 SWEEP_ARGS ?=
+DATA_SIZES ?= 0.1,0.5,2
 FORCE   ?=
 LAUNCHER ?=
 BUDGET  ?=
@@ -30,7 +31,7 @@ RECIPE_ARG := $(if $(RECIPE),--recipe "$(RECIPE)",)
 # no DS: the tools' default JSON (ds_configs/zero3_ckpt.json), or with --resume the run's own
 DS_ARG := $(if $(DS),--deepspeed "$(DS)",)
 
-.PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host bench-plan gpu-check gpu-wheels plan explain
+.PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host bench-plan bench-data gpu-check gpu-wheels plan explain
 
 setup: $(VENV)/.installed
 
@@ -100,6 +101,11 @@ bench-host: setup
 ## bench-plan: configurations `make plan --search` scores per second on one core -> reports/plan_search.md (ARGS: --recipe ...)
 bench-plan: setup
 	$(BIN)/python -m memtrain bench-plan $(ARGS)
+
+## bench-data: token store builds of synthetic corpora (DATA_SIZES GB, default 0.1,0.5,2), byte and a local BPE
+## tokenizer, 1 and 2 workers: MB/s, peak RSS, a new seq_len's time to its first batch -> reports/data_prep.{md,json}
+bench-data: setup
+	$(BIN)/python -m memtrain bench-data --sizes "$(DATA_SIZES)" $(ARGS)
 
 ## gpu-check: the GPU acceptance run (llama-1b, seq 2048, bf16, 30 steps per set-up: none, full, full+offload, op,
 ## auto at half of none's peak, plain PyTorch) -> reports/gpu/<device>.md, then long sequences (llama-8b-long at 256K,

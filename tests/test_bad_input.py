@@ -252,6 +252,11 @@ def _files(tmp_path):
      "trained on"),
     (_set("data.eval_paths=[{d}/held-out.txt]", "data.random_tokens=true"), "embedded recipe 'tiny': "
      "data.eval_paths: data.random_tokens trains on random ids"),
+    (_set("data.eval_paths=[{d}/held-out.txt]", "data.eval_fraction=0.1"), "embedded recipe 'tiny': "
+     "data.eval_paths and data.eval_fraction: both set"),
+    (_set("data.format=chat", f"data.tokenizer={ROOT / 'data' / 'chat' / 'tokenizer'}", "data.eval_fraction=0.1"),
+     "embedded recipe 'tiny': data.eval_fraction: splits text documents; data.format 'chat' rows are held out by "
+     "naming their files in data.eval_paths"),
     (_set("data.eval_paths=[{d}/short.txt]", "data.cache_dir={d}/cache"), "data.eval_paths: the eval data packs "
      "into 1 row(s), fewer than one eval batch (2 data rank(s) x micro-batch 8); add held-out text"),
     (_set("data.cache_dir={d}/a-file/cache"), "embedded recipe 'tiny': data.cache_dir: '{d}/a-file/cache' cannot be "

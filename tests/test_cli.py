@@ -13,7 +13,7 @@ def test_front_door_lists_every_command():
                             text=True, timeout=120)
     assert listed.returncode == 0
     for name in ("train", "preflight", "plan", "explain-config", "ac-profile", "sweep", "report", "bench",
-                 "gpu-check", "bench-host", "bench-plan", "export"):
+                 "gpu-check", "bench-host", "bench-plan", "export", "prepare-data", "bench-data"):
         assert f"\n  {name} " in listed.stdout, listed.stdout
     unknown = subprocess.run([sys.executable, "-m", "memtrain", "trian"], cwd=ROOT, env=_env(), capture_output=True,
                              text=True, timeout=120)
@@ -83,7 +83,7 @@ def test_each_command_names_itself_in_errors(command, capsys):
 def test_makefile_targets_use_the_front_door():
     makefile = (ROOT / "Makefile").read_text()
     for name in ("preflight", "plan", "explain-config", "ac-profile", "sweep", "report", "bench", "gpu-check",
-                 "bench-host", "bench-plan"):
+                 "bench-host", "bench-plan", "bench-data"):
         assert f"python -m memtrain {name} " in makefile, name
 
 

@@ -8,12 +8,12 @@ from conftest import FAST, ROOT, assert_ok, run_train, sitecustomize_env
 
 SLOW_PACKING = """
 import time
-import memtrain.model.data as data
-_pack = data._pack
+import memtrain.model.token_store as store
+write_store = store.write_store
 def slow(*args, **kwargs):
-    time.sleep(20)  # a corpus that takes longer to pack than the run's collective timeout
-    return _pack(*args, **kwargs)
-data._pack = slow
+    time.sleep(20)  # a corpus that takes longer to tokenize than the run's collective timeout
+    return write_store(*args, **kwargs)
+store.write_store = slow
 """
 
 
@@ -29,7 +29,8 @@ def test_packing_longer_than_the_collective_timeout_kills_no_rank(tmp_path):
                       "--set", "train.save_checkpoints=false", "--run-dir", str(run)], nproc=2, env=env)
     assert_ok(proc)
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
-    assert len(list((tmp_path / "cache").glob("packed-*.npy"))) == 1 and not list((tmp_path / "cache").glob("*.tmp*"))
+    stores = [p for p in (tmp_path / "cache").glob("store-*") if p.is_dir()]
+    assert len(stores) == 1 and not list((tmp_path / "cache").glob("*.tmp*"))
 
 
 def test_cpu_threads_split_the_ranks_cores_where_cpu_work_runs():

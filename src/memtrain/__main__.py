@@ -12,6 +12,8 @@ PROG = "python -m memtrain"
 COMMANDS = {
     "train": ("memtrain.train.main:main", "memtrain.config.args:parser",
               "train in this process (under a launcher: src/train.py, same flags)"),
+    "prepare-data": ("memtrain.tools.prepare_data:main", "memtrain.tools.prepare_data:parser",
+                     "tokenize a recipe's corpus into its token store before a job"),
     "preflight": ("memtrain.train.preflight:main", "memtrain.config.args:preflight_parser",
                   "every check of a run, before any worker starts (make train runs it)"),
     "plan": ("memtrain.tools.plan:main", "memtrain.tools.flags:plan_parser",
@@ -32,6 +34,8 @@ COMMANDS = {
                    "host work per step beside plain PyTorch, one CPU core"),
     "bench-plan": ("memtrain.tools.plan_bench:main", "memtrain.tools.plan_bench:parser",
                    "configurations make plan --search scores per second, one core"),
+    "bench-data": ("memtrain.tools.bench.data_prep:main", "memtrain.tools.bench.data_prep:parser",
+                   "token store builds: MB/s and peak RSS -> reports/data_prep.md"),
     "export": ("memtrain.tools.export:main", "memtrain.tools.export:parser",
                "write a run's model checkpoint as a transformers model"),
 }

@@ -99,9 +99,19 @@ class ShareGPTKeys(_Strict):
     """A tool's answer (role tool)."""
 
 
+class SourceSection(_Strict):
+    paths: list[str] = Field(min_length=1)
+    """This source's files or glob patterns, as data.paths."""
+    weight: PositiveFloat = 1.0
+    """Its share of the training rows, relative to the other sources' weights."""
+
+
 class DataSection(_Strict):
     paths: list[str] = Field(default_factory=list)
     """Files or glob patterns (.txt, .md, .py, .jsonl, .json, .parquet). Empty: Python's stdlib sources."""
+    sources: list[SourceSection] = Field(default_factory=list)
+    """A blend instead of data.paths: [{paths: [...], weight: 0.7}, ...]. Each source is its own token store
+    (data.max_bytes applies to each); training rows mix them by weight, deterministically (memtrain.model.blend)."""
     text_key: str = "text"
     """Column holding text in JSONL/parquet files."""
     tokenizer: Optional[str] = None
@@ -110,9 +120,15 @@ class DataSection(_Strict):
     the one chosen: `Recipe` fills it in)."""
     seq_len: PositiveInt = 128
     max_bytes: Optional[PositiveInt] = 8_000_000
-    """Read at most this many bytes of text (keeps the default corpus small)."""
+    """Read at most this many characters of text (keeps the default corpus small); null: every file whole."""
     cache_dir: str = ".cache/memtrain"
-    """Packed token arrays are cached here, keyed by files, tokenizer and seq_len."""
+    """Token stores (`store-<key>/`, keyed by files, tokenizer, text_key and max_bytes, not seq_len) and packed
+    chat rows are cached here (memtrain.model.token_store)."""
+    workers: Optional[PositiveInt] = None
+    """Processes that tokenize a store's build. Default: the cores this process may run on."""
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    """Documents held out for evaluation, chosen by a fixed-salt hash of each document's text (not train.seed): no
+    eval document is in a training row. 0: no eval split."""
     format: Literal["text", "chat", "instruction"] = "text"
     """text: documents packed end to end, every token trained on. chat: JSONL rows whose `messages_key` holds
     [{role, content}, ...]; instruction: `prompt_key` / `response_key` columns (a user and an assistant turn).
@@ -143,6 +159,14 @@ class DataSection(_Strict):
     random_tokens: bool = False
     """Train on seeded random token ids over the model's vocabulary instead of files (benchmarks:
     throughput and memory do not depend on what the tokens say). No file is read."""
+
+    @model_validator(mode="after")
+    def _paths_or_sources(self):
+        if self.sources and self.paths:
+            raise ValueError("data.paths and data.sources are both set: give each source's paths in data.sources")
+        if self.sources and self.format != "text":
+            raise ValueError(f"data.sources: blends read text; data.format '{self.format}' reads data.paths")
+        return self
 
 
 class TrainSection(_Strict):

@@ -24,7 +24,7 @@ def check_seq_len(data: DataSection) -> None:
 
 def check_data_files(files: list[Path], data: DataSection) -> None:
     """Each file's head: text, or JSON lines / parquet holding the column the data format reads."""
-    from memtrain.model.data import builder_for
+    from memtrain.model.corpus_reader import builder_for
 
     column = column_read(data)
     for f in files:

@@ -21,7 +21,7 @@ from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_dee
 from memtrain.config.args import RunArgs
 from memtrain.config.saved_run import CONFIG_FILE
 from memtrain.model.chat_data import PackedChat, report_line
-from memtrain.model.data import PackedData, RandomTokens, prepare_data, to_device
+from memtrain.model.data import PackedData, RandomTokens, blend_plan_line, prepare_data, to_device
 from memtrain.model.eval_data import batches_per_rank, prepare_eval_data
 from memtrain.model.freeze import freeze
 from memtrain.model.lora import add_lora, trainable_patterns
@@ -360,6 +360,9 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
             print(compiled.line, flush=True)
         if isinstance(data, PackedChat):  # what was packed, how full the rows are, what was skipped and why
             print(report_line(data.report, recipe.data), flush=True)
+        if recipe.data.sources:  # each source's tokens, share of the rows and epochs this run takes of it
+            dp = world // (tp_size(args.ds_config) * recipe.parallel.sequence)
+            print(blend_plan_line(data, t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp), flush=True)
         if memory_plan is not None:
             print(memory_plan.describe(), flush=True)
         if agreement.save_every_s and t.save_checkpoints:  # what a requeue after a lost node resumes from

@@ -1,0 +1,131 @@
+"""A corpus's files (data.paths, or the default corpus) and its documents, streamed in order through `datasets`
+(text: one document per file; JSON lines, JSON, parquet: one per row), up to data.max_bytes characters; memory
+stays bounded by a batch of rows."""
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+from memtrain.config.recipe import DataSection
+from memtrain.errors import NodeError, UserError
+
+BATCH = 256  # rows per `datasets` batch
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # everything else: "text"
+
+
+def builder_for(path: Path) -> str:
+    """The `datasets` builder that reads a data file, by its suffix: json, parquet, or text."""
+    return _BUILDERS.get(path.suffix.lower(), "text")
+
+
+def default_corpus_files() -> list[Path]:
+    """The embedded default corpus: this Python's own standard-library sources."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in stdlib.glob("*.py") if p.is_file())
+
+
+def resolve_files(cfg: DataSection) -> list[Path]:
+    """data.paths' files in order (each pattern's matches sorted), every source's for a blend, or the default
+    corpus's."""
+    if cfg.sources:
+        return [f for i, source in enumerate(cfg.sources) for f in _matches(source.paths, f"data.sources[{i}].paths")]
+    if not cfg.paths:
+        files = default_corpus_files()
+        if not files:
+            raise UserError("data.paths: empty, and no standard-library sources were found for the default corpus")
+        return files
+    return _matches(cfg.paths, "data.paths")
+
+
+def source_sections(cfg: DataSection) -> list[DataSection]:
+    """A blend's sources, each as the data section of a corpus of its own (its paths, the other keys shared)."""
+    return [cfg.model_copy(update={"paths": source.paths, "sources": []}) for source in cfg.sources]
+
+
+def _matches(patterns: list[str], key: str) -> list[Path]:
+    files: list[Path] = []
+    for i, pattern in enumerate(patterns):
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [Path(m) for m in matches if Path(m).is_file()]
+        if not matches:
+            raise NodeError(f"{key}[{i}]: '{pattern}' matches no file")
+        files.extend(matches)
+    return files
+
+
+def documents(files: list[Path], cfg: DataSection) -> Iterator[str]:
+    """Non-blank documents in file order (grouped by builder, as the files' first appearance orders them), the last
+    one cut so that at most data.max_bytes characters are read."""
+    groups: dict[str, list[str]] = {}
+    for f in files:
+        groups.setdefault(builder_for(f), []).append(str(f))
+    budget = cfg.max_bytes
+    for builder, paths in groups.items():
+        for text in _stream(builder, paths, cfg):
+            if isinstance(text, str) and text.strip():
+                if budget is None:
+                    yield text
+                    continue
+                text = text[:budget]
+                yield text
+                budget -= len(text)
+                if budget <= 0:
+                    return
+
+
+def _stream(builder: str, paths: list[str], cfg: DataSection) -> Iterator:
+    """The text column of every row of `paths`, streamed; a file it cannot read is named in one line, with its row."""
+    column = "text" if builder == "text" else cfg.text_key
+    try:
+        for batch in _load(builder, paths, column).iter(batch_size=BATCH):
+            yield from batch[column]
+    except (UserError, NodeError):
+        raise
+    except Exception as e:  # a corrupt file surfaces as one of many datasets/arrow errors, mid-stream
+        raise _locate(builder, paths, column, e) from None
+
+
+def _load(builder: str, paths: list[str], column: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    ds = datasets.load_dataset(builder, data_files=paths, split="train", streaming=True, **kwargs)
+    names = list(ds.features) if ds.features is not None else None
+    if names is not None and column not in names:
+        raise UserError(f"data.text_key: column '{column}' not in {paths[0]} (columns: {', '.join(names)})")
+    return ds.select_columns([column]) if names is not None else ds
+
+
+def _locate(builder: str, paths: list[str], column: str, error: Exception) -> Exception:
+    """The one line for a read that failed mid-stream: the first file that fails alone (read again file by file:
+    only on this error path), and in JSON lines the first line that does not parse."""
+    for path in paths:
+        try:
+            for _ in _load(builder, [path], column).iter(batch_size=BATCH):
+                pass
+        except UserError as e:
+            return e
+        except Exception as e:  # as above
+            return NodeError(f"data.paths: cannot read {path}{_bad_line(path)}: {str(e).splitlines()[0]}")
+    return NodeError(f"data.paths: cannot read {builder} files ({paths[0]} ...): {str(error).splitlines()[0]}")
+
+
+def _bad_line(path: str) -> str:
+    """' (line N)' for the first line of a JSON-lines file that is not JSON, else ''."""
+    import json
+
+    if not path.lower().endswith(".jsonl"):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError:
+                return f" (line {n})"
+    return ""

@@ -1,0 +1,273 @@
+"""The token store: a corpus tokenized once, in document order, by worker processes with bounded memory, into a
+memory-mapped token file and a document-offset index; keyed by its files and tokenizer (not by seq_len), and built
+atomically by one process however many ask (memtrain.model.sample_view cuts it into rows).
+
+A store is a directory `<cache_dir>/store-<key>/`:
+  tokens.bin    every document's ids followed by EOS, end to end (uint16 when the vocabulary fits, else uint32)
+  offsets.bin   int64 [documents + 1]: document d is tokens[offsets[d]:offsets[d + 1]] (its EOS included)
+  doc_hash.bin  uint64 [documents]: a fixed-salt blake2b of each document's text (the eval split's coin)
+  manifest.json written last: counts, dtype, the key's inputs; a directory without it is never read
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from memtrain.config.recipe import DataSection
+from memtrain.errors import UserError
+from memtrain.model.corpus_reader import documents
+
+FORMAT = 1  # bump when the layout or what a document holds changes: old stores are then never read
+MANIFEST = "manifest.json"
+CHUNK_CHARS = 4_000_000  # text per worker task: memory in flight is about 2 x workers x this
+CHUNK_DOCS = 4096
+SPLIT_SALT = b"memtrain-eval-split-1"  # fixed: the split does not move with train.seed
+def default_workers() -> int:
+    """The cores this process may run on (data.workers unset)."""
+    return len(os.sched_getaffinity(0))
+
+
+def store_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
+    """What a store's tokens depend on: each file (resolved path, size, mtime), the tokenizer (name and a hash of
+    what it encodes), data.text_key and data.max_bytes; not seq_len, micro-batch or world size."""
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(json.dumps([FORMAT, tokenizer.name, tokenizer.fingerprint, cfg.text_key, cfg.max_bytes]).encode())
+    return h.hexdigest()[:20]
+
+
+# --------------------------------------------------------------------------- reading a store
+
+@dataclass
+class TokenStore:
+    """A built store, memory-mapped: nothing is read until a row is."""
+
+    path: Path
+    tokens: np.ndarray
+    offsets: np.ndarray
+    doc_hash: np.ndarray
+    manifest: dict
+
+    @classmethod
+    def open(cls, path: Path) -> "TokenStore":
+        manifest = json.loads((path / MANIFEST).read_text())
+        tokens = _memmap(path / "tokens.bin", np.dtype(manifest["dtype"]))
+        return cls(path, tokens, _memmap(path / "offsets.bin", np.int64), _memmap(path / "doc_hash.bin", np.uint64),
+                   manifest)
+
+    @property
+    def documents(self) -> int:
+        return len(self.doc_hash)
+
+    def eval_documents(self, fraction: float) -> np.ndarray:
+        """Which documents the eval split holds (bool per document): those whose hash falls under `fraction`."""
+        return self.doc_hash < np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
+
+
+def _memmap(path: Path, dtype) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def open_store(files: list[Path], cfg: DataSection, tokenizer, build: bool = True) -> TokenStore:
+    """The corpus's store, built first when missing (`build=False`: FileNotFoundError instead)."""
+    target = Path(cfg.cache_dir) / f"store-{store_key(files, cfg, tokenizer)}"
+    workers = cfg.workers or default_workers()
+    build_once(target, build, lambda tmp: write_store(tmp, files, cfg, tokenizer, workers))
+    return TokenStore.open(target)
+
+
+# --------------------------------------------------------------------------- one builder per store
+
+def build_once(target: Path, build: bool, write: Callable[[Path], None]) -> None:
+    """`target` (a file or a directory) written once by `write(temporary path)`, however many processes ask at
+    once, on one node or several sharing the cache directory, with no collective: the first to take the target's
+    file lock builds, the others wait on the lock (not on a collective with a timeout, so a corpus that takes an
+    hour to tokenize kills nothing) and then load. It is written under a name unique to this host and process and
+    renamed into place, so a file system without working locks still never shows a partial one. A temporary left
+    by a killed builder is removed, and the builder says in one line that it restarts."""
+    import fcntl
+
+    if target.exists():
+        return
+    if not build:
+        raise FileNotFoundError(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if target.exists():  # another process built it while this one waited
+            return
+        _remove_interrupted(target)
+        tmp = target.with_name(f"{target.stem}.tmp-{socket.gethostname()}-{os.getpid()}{target.suffix}")
+        try:
+            write(tmp)
+        except BaseException:  # a bad file or a stop: the next build starts clean (a kill leaves it: see above)
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+
+
+def _remove_interrupted(target: Path) -> None:
+    """Temporaries of `target` left by builders that died (this process holds the lock, so none is alive)."""
+    left = sorted(target.parent.glob(f"{target.stem}.tmp-*{target.suffix}"))
+    for path in left:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if left:
+        print(f"memtrain: data: an interrupted build of {target} was left ({left[0].name}); removed it, "
+              "restarting the build from the start", file=sys.stderr, flush=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- building a store
+
+def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, workers: int) -> dict:
+    """Tokenize the corpus into the store directory `out` (see the module's docstring); returns its manifest."""
+    start = time.perf_counter()
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    out.mkdir(parents=True)
+    names = ("tokens.bin", "offsets.bin", "doc_hash.bin")
+    handles = [open(out / name, "wb") for name in names]
+    tokens_f, offsets_f, hash_f = handles
+    offsets_f.write(np.zeros(1, np.int64).tobytes())
+    end, docs, chars = 0, 0, 0
+    bar = _progress_bar(files, cfg)
+    try:
+        texts = documents(files, cfg)
+        for chunk_chars, (ids, lengths, hashes) in _tokenized(_chunks(texts), tokenizer, dtype, workers):
+            tokens_f.write(ids.tobytes())
+            offsets_f.write((end + np.cumsum(lengths)).tobytes())
+            hash_f.write(hashes.tobytes())
+            end, docs, chars = end + int(lengths.sum()), docs + len(lengths), chars + chunk_chars
+            bar.update(chunk_chars)
+    finally:
+        bar.close()
+        for f in handles:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+    manifest = {"format": FORMAT, "documents": docs, "tokens": end, "chars": chars, "dtype": dtype.name,
+                "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id, "tokenizer": tokenizer.name,
+                "text_key": cfg.text_key, "max_bytes": cfg.max_bytes, "files": [str(f.resolve()) for f in files],
+                "workers": workers, "seconds": round(time.perf_counter() - start, 3)}
+    with open(out / MANIFEST, "w") as f:  # last: a directory without it was never finished
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(out)
+    return manifest
+
+
+def _progress_bar(files: list[Path], cfg: DataSection):
+    """Bytes read, MB/s and ETA on the building process; off for a small corpus (done in seconds)."""
+    from tqdm import tqdm
+
+    total = sum(f.stat().st_size for f in files)
+    total = min(total, cfg.max_bytes) if cfg.max_bytes else total
+    return tqdm(total=total, unit="B", unit_scale=True, desc="memtrain: tokenizing", dynamic_ncols=True,
+                mininterval=1.0, disable=total < 32_000_000 and not sys.stderr.isatty())
+
+
+def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
+    """Documents in order, grouped into worker tasks of about CHUNK_CHARS characters."""
+    chunk: list[str] = []
+    size = 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _tokenized(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
+    """(characters, tokenize_chunk(chunk)) for each chunk, in chunk order whatever the worker count: one worker, or a
+    corpus of one chunk, tokenizes here; more run in forked processes, at most 2 x workers chunks in flight."""
+    chunks = iter(chunks)
+    head = [c for c in (next(chunks, None), next(chunks, None)) if c is not None]
+    if workers <= 1 or len(head) < 2:
+        for chunk in itertools.chain(head, chunks):
+            yield sum(map(len, chunk)), tokenize_chunk(chunk, tokenizer, dtype)
+        return
+    yield from _tokenized_in_pool(itertools.chain(head, chunks), tokenizer, dtype, workers)
+
+
+def _tokenized_in_pool(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # the tokenizer is inherited, not pickled
+    pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype))
+    try:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append((sum(map(len, chunk)), pool.apply_async(_tokenize_in_worker, (chunk,))))
+            if len(pending) >= 2 * workers:
+                size, result = pending.popleft()
+                yield size, result.get()
+        while pending:
+            size, result = pending.popleft()
+            yield size, result.get()
+        pool.close()  # every chunk done: the workers exit
+    finally:
+        pool.terminate()  # after close() a no-op for exited workers; on an error or a stop, ends them
+        pool.join()
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer, dtype) -> None:
+    """A worker forked from a run inherits its stop-signal handlers (memtrain.train.signals records SIGTERM rather than
+    dying): a worker dies on SIGTERM (the pool's terminate) and leaves SIGINT and SIGUSR1 to the building process."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the pool is the parallelism
+    _WORKER.update(tokenizer=tokenizer, dtype=dtype)
+
+
+def _tokenize_in_worker(chunk: list[str]):
+    return tokenize_chunk(chunk, _WORKER["tokenizer"], _WORKER["dtype"])
+
+
+def tokenize_chunk(texts: list[str], tokenizer, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A chunk's documents as (ids end to end, each followed by EOS; tokens per document; text hash per document)."""
+    ids = tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    ends = np.cumsum(lengths)
+    for x, stop in zip(ids, ends):
+        if len(x) and int(x.max()) > np.iinfo(dtype).max:
+            raise UserError(f"data.tokenizer: id {int(x.max())} exceeds the tokenizer's vocabulary size "
+                            f"{tokenizer.vocab_size}")
+        out[stop - len(x) - 1: stop - 1] = x
+    out[ends - 1] = tokenizer.eos_token_id
+    hashes = np.fromiter((int.from_bytes(hashlib.blake2b(t.encode("utf-8"), digest_size=8, key=SPLIT_SALT).digest(),
+                                         "little") for t in texts), dtype=np.uint64, count=len(texts))
+    return out, lengths, hashes
+
