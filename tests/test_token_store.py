@@ -263,3 +263,54 @@ def test_a_run_builds_its_store_with_worker_processes_and_trains_on_the_split(tm
     assert summary["status"] == "completed"
     # the held-out documents are evaluated at the end: 8 global batches (micro-batch 4 x 2 ranks) of 63 labels a row
     assert summary["eval_tokens"] == 8 * 4 * 2 * 63 and 0 < summary["eval_loss"] < 10, summary
+
+
+def _build_logged(target: str, log: str, delay: float) -> None:
+    """One process asking for `target`: its build, if it builds, appends its pid to `log` and takes `delay` s."""
+    from memtrain.model.token_store import build_once
+
+    def write(tmp: Path) -> None:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(delay)
+        tmp.mkdir()
+        (tmp / "manifest.json").write_text(json.dumps({"built_by": os.getpid()}))
+
+    build_once(Path(target), True, write)
+
+
+def test_processes_asking_at_once_build_a_store_once_and_a_mount_without_locks_still_builds_it(tmp_path, capsys):
+    """Two processes ask for one store at once (two ranks, or two nodes sharing the cache): the file lock lets one
+    build while the other waits and then reads it. Where flock raises (Lustre mounted noflock), each builds its own
+    copy, the first in place wins and the other discards its copy; one line says so, and no temporary is left."""
+    import multiprocessing
+    from unittest import mock
+
+    from memtrain.model import token_store
+
+    ctx = multiprocessing.get_context("fork")
+    target, log = tmp_path / "store-a", tmp_path / "built.log"
+    procs = [ctx.Process(target=_build_logged, args=(str(target), str(log), 1.0)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert len(log.read_text().splitlines()) == 1 and (target / "manifest.json").is_file()
+
+    # no locks: this process builds while "another" (simulated: the target appears during its write) got there first
+    other = tmp_path / "store-b"
+
+    def no_flock(*args):
+        raise OSError(token_store.errno.ENOLCK, "No locks available")
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "manifest.json").write_text("mine")
+        other.mkdir()
+        (other / "manifest.json").write_text("theirs")
+
+    with mock.patch("fcntl.flock", no_flock):
+        token_store.build_once(other, True, write)
+    assert (other / "manifest.json").read_text() == "theirs" and not list(tmp_path.glob("store-b.tmp-*"))
+    assert "has no file locks (e.g. a noflock mount)" in capsys.readouterr().err

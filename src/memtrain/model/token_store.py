@@ -10,6 +10,7 @@ A store is a directory `<cache_dir>/store-<key>/`:
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -101,27 +102,59 @@ def build_once(target: Path, build: bool, write: Callable[[Path], None]) -> None
     file lock builds, the others wait on the lock (not on a collective with a timeout, so a corpus that takes an
     hour to tokenize kills nothing) and then load. It is written under a name unique to this host and process and
     renamed into place, so a file system without working locks still never shows a partial one. A temporary left
-    by a killed builder is removed, and the builder says in one line that it restarts."""
-    import fcntl
+    by a killed builder is removed, and the builder says in one line that it restarts.
 
+    Where the file system has no locks at all (Lustre or NFS mounted with `noflock`/`nolock`: flock raises), every
+    process asking builds its own copy, the first renamed into place wins and the others discard theirs: slower,
+    never wrong, and said in one line (the cache on a node-local disk, or `prepare-data` run once ahead, avoids it)."""
     if target.exists():
         return
     if not build:
         raise FileNotFoundError(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(target.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        locked = _lock(lock, target)  # released when the file closes (or the process dies)
         if target.exists():  # another process built it while this one waited
             return
-        _remove_interrupted(target)
+        if locked:  # no builder is alive but this one: what others left is from a killed build
+            _remove_interrupted(target)
         tmp = target.with_name(f"{target.stem}.tmp-{socket.gethostname()}-{os.getpid()}{target.suffix}")
         try:
             write(tmp)
         except BaseException:  # a bad file or a stop: the next build starts clean (a kill leaves it: see above)
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+            _remove(tmp)
             raise
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # without locks: another builder's directory is in place already, and is the same store
+            if locked or not target.exists():
+                raise
+            _remove(tmp)
+            return
         _fsync_dir(target.parent)
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock where the mount has none
+
+
+def _lock(lock, target: Path) -> bool:
+    """Take the build's exclusive lock: True; False, with one line, where the file system has no locks."""
+    import fcntl
+
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return True
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise
+    print(f"memtrain: data: {target.parent} has no file locks (e.g. a noflock mount): each process asking builds "
+          f"{target.name} itself and the first in place wins; run `python -m memtrain prepare-data` once ahead, or "
+          "put data.cache_dir on a disk with locks", file=sys.stderr, flush=True)
+    return False
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _remove_interrupted(target: Path) -> None:
