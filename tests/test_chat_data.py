@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,6 +103,15 @@ def test_bad_rows_are_counted_in_one_line_and_formats_are_checked(tokenizer_dir,
     one = len(chat_data.encode_sample(build_tokenizer(str(tokenizer_dir)).hf, TWO_TURNS)[0])
     assert packed.report["real_tokens"] == 5 * one and int(packed.real.sum()) == 5 * one  # padding is not counted
     assert batch["tokens"] == 2 * one and batch["input_ids"].shape == (2, 128)  # one sample per 128-token row
+    # the rows are memory-mapped in narrow dtypes (every rank of a node shares one page-cache copy, not 24 bytes a
+    # token of int64 each), and a batch is the packing's int64 rows exactly
+    assert isinstance(packed.ids, np.memmap) and packed.ids.dtype == np.uint16 and packed.labels.dtype == np.int32
+    tok = build_tokenizer(str(tokenizer_dir))
+    ids, labels, positions, _ = chat_data.build(
+        [{"messages": r["messages"]} for r in rows], tok, recipe.data)[0]
+    rows_read = chat_data.order.micro_rows(len(packed), 0, 0, 0, 0, 1, 2, 1)
+    for key, want in (("input_ids", ids), ("labels", labels), ("position_ids", positions)):
+        assert batch[key].dtype == torch.int64 and torch.equal(batch[key], torch.from_numpy(want[rows_read])), key
     # instruction rows: prompt and response columns, one user and one assistant turn
     inst = _write(tmp_path / "inst.jsonl", [{"prompt": "say hi", "response": "hi"}, {"prompt": "x", "response": ""}])
     recipe = load_recipe(None, [f"data.paths=[{inst}]", "data.format=instruction", f"data.tokenizer={tokenizer_dir}",

@@ -134,7 +134,7 @@ def prepare_data(cfg: DataSection, seed: int, build: bool = True, split: Literal
 
         chat_data.check_template(tokenizer, cfg)
         cache_dir = Path(cfg.cache_dir)
-        cache_file = cache_dir / f"chat-{_cache_key(files, cfg, tokenizer)}.npz"
+        cache_file = cache_dir / f"chat-{_cache_key(files, cfg, tokenizer)}"  # a directory (PackedChat.save)
         build_once(cache_file, build, lambda tmp: chat_data.PackedChat.save(
             tmp, *chat_data.build(_read_rows(files, cfg, cache_dir), tokenizer, cfg)))
         return chat_data.PackedChat.load(cache_file, tokenizer.vocab_size, seed)
