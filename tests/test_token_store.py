@@ -314,3 +314,20 @@ def test_processes_asking_at_once_build_a_store_once_and_a_mount_without_locks_s
         token_store.build_once(other, True, write)
     assert (other / "manifest.json").read_text() == "theirs" and not list(tmp_path.glob("store-b.tmp-*"))
     assert "has no file locks (e.g. a noflock mount)" in capsys.readouterr().err
+
+
+def test_a_local_fast_tokenizer_encodes_as_transformers_does(tmp_path):
+    """The store tokenizes with the fast tokenizer's Rust encoder directly (memtrain.model.tokenizer): the same ids as
+    transformers' own call, special tokens written in the text, unicode and blank lines included."""
+    from transformers import AutoTokenizer
+
+    from chatml import chatml_tokenizer
+    from memtrain.model.tokenizer import build_tokenizer
+
+    directory = chatml_tokenizer(tmp_path / "tok")
+    texts = ["the user asks <|im_start|>a question<|im_end|> and the assistant answers",
+             "  leading spaces, then\n\nblank lines and ümlauts — ✓ 日本語", "", "0 1 2 {\"a\": [3]}<|endoftext|>"]
+    want = AutoTokenizer.from_pretrained(directory)(texts, add_special_tokens=False)["input_ids"]
+    got = build_tokenizer(str(directory)).encode_batch(texts)
+    assert [g.tolist() for g in got] == want
+    assert any(AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids("<|im_start|>") in w for w in want)

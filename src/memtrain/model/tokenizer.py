@@ -58,7 +58,13 @@ class HFTokenizer:
         return self._fingerprint
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        ids = self._tok(texts, add_special_tokens=False)["input_ids"]
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "encode_batch_fast"):
+            # the fast tokenizer's Rust encoder itself: the same ids as transformers' call (tests/test_token_store.py),
+            # without the offsets and masks that call computes and then drops here. 5.45 against 3.61 MB/s on one
+            # core (byte-level BPE of 8,000 tokens, 5 MB of synthetic JSON lines, 2026-11-26, this 2-core machine)
+            return [np.asarray(e.ids, dtype=np.int64) for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        ids = self._tok(texts, add_special_tokens=False)["input_ids"]  # a slow (Python) tokenizer
         return [np.asarray(x, dtype=np.int64) for x in ids]
 
 
