@@ -1,1 +1,2 @@
-"""The model and its inputs: build from config, local data, FLOPs."""
+"""The model and its inputs: the model built from config or pretrained weights, its loss, tokenizers, and
+the rows a run reads."""

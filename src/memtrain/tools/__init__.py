@@ -1,1 +1,1 @@
-"""Commands around runs: plan, ac-profile, sweep, Slurm, report, bench."""
+"""Commands around runs: plan, ac-profile, prepare-data, explain-config, export, sweep, report, Slurm, bench."""

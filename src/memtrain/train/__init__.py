@@ -1,1 +1,1 @@
-"""A run: preflight, the step loop, model checkpoints, metrics, faults."""
+"""A run: preflight, the launcher, the step loop, model checkpoints and resume, metrics, stop signals, faults."""
