@@ -10,6 +10,7 @@ import torch
 from conftest import _env, all_finite, kill_in_save_env, poison_after_step_env, FAST, ROOT, TRAIN, assert_ok, run_train
 from memtrain.train.checkpoint import tag_for
 from memtrain.train.faults import RunPosition, is_oom, oom_message, write_failure
+from memtrain.train.run_dir import RunDir
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.tb import read_scalars
 
@@ -108,7 +109,7 @@ def test_out_of_memory_report(tmp_path):
         error = e
     assert is_oom(error) and not is_oom(RuntimeError("shape mismatch"))
     recipe = load_recipe(None, ["train.micro_batch_size=4"])
-    progress = RunPosition(world=2, rank=1, run_dir=tmp_path, step=6)
+    progress = RunPosition(world=2, rank=1, run_dir=RunDir(tmp_path), step=6)
     line = oom_message(progress, recipe, json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text()))
     assert "\n" not in line
     assert re.match(r"out of memory at step 7 on rank 1: peak host RSS \d+\.\d\d GiB of \d+\.\d\d GiB \(host RAM|"

@@ -93,3 +93,22 @@ def test_no_import_cycles():
     assert len(graph) > 50 and graph["memtrain.train.trainer"]  # the walk sees the package
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the finder finds one
     assert cycles(graph) == [], "memtrain modules that import each other, directly or around a loop"
+
+
+def test_the_step_loop_reads_in_one_sitting():
+    """#39: the step loop (Trainer.fit) is at most 40 lines, and no function of the train package is over 60 lines
+    unless a comment in it says why (a line holding "longer than")."""
+    too_long = []
+    for path in sorted((ROOT / "train").glob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if path.name == "trainer.py" and node.name == "fit":
+                assert length <= 40, f"Trainer.fit: {length} lines"
+            body = lines[node.lineno - 1:node.end_lineno]
+            if length > 60 and not any("longer than" in line for line in body) and \
+                    f"{path.name}:{node.name}" != "preflight.py:check_run":  # #39 item 2 makes it resolve_run
+                too_long.append(f"{path.name}:{node.name} ({length} lines)")
+    assert not too_long, too_long

@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -110,6 +110,24 @@ class RandomTokens:
     def labelled_tokens(self, step: int, world: int, micro_batch: int, grad_accum: int) -> int:
         """As PackedData's: every position of a row but the last."""
         return grad_accum * world * micro_batch * (self.seq_len - 1)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch of any data kind: the forward's inputs (packed text and random tokens: the ids, every token a
+    label; chat rows: a dict of input_ids, labels and position_ids) and the real tokens it holds (not padding: what
+    tokens/s and MFU count)."""
+
+    inputs: Any  # torch.Tensor | dict[str, torch.Tensor]
+    tokens: int
+
+
+def as_batch(rows) -> Batch:
+    """What a data kind's `batch()` or `rows()` returns (ids, or chat rows with their "tokens" count) as a Batch."""
+    if isinstance(rows, dict):
+        inputs = dict(rows)
+        return Batch(inputs, int(inputs.pop("tokens")))
+    return Batch(rows, rows.numel())
 
 
 def to_device(batch, device: torch.device):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from memtrain.errors import ArgumentParser, UserError, cli_entry
+from memtrain.train.run_dir import RunDir
 
 
 def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None) -> Path:
@@ -22,7 +23,7 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
     from memtrain.train import checkpoint
     from memtrain.train.final import write_model
 
-    config_path = run_dir / "config.json"
+    config_path = RunDir(run_dir).config_file
     if not config_path.is_file():
         raise UserError(f"{run_dir}: not a memtrain run directory (no config.json)")
     try:
@@ -31,7 +32,7 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{config_path}: damaged ({type(e).__name__}: {first}): the recipe the run trained with is "
                         "unknown, so its model cannot be rebuilt; restore config.json from a copy") from None
-    checkpoint_dir = run_dir / "checkpoints"
+    checkpoint_dir = RunDir(run_dir).checkpoints
     tags = sorted(p.name for p in checkpoint_dir.glob(f"{checkpoint.TAG_PREFIX}*") if p.is_dir())
     if not tags:
         raise UserError(f"{checkpoint_dir}: no model checkpoint to export")

@@ -18,6 +18,7 @@ from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.tools.sweep_points import (DEFAULT_SWEEP, DS_KEY, Point, Sweep, add_shrink_flags, load_sweep, read_summary,
                                          short_names)
 from memtrain.tools.tb import read_scalars
+from memtrain.train.run_dir import RunDir
 from memtrain.units import GIB, parse_size
 
 POLICY_KEY = "activation_checkpointing.policy"
@@ -60,7 +61,7 @@ def _display(key: str, value: Any) -> str:
 def point_row(point: Point, names: dict[str, str]) -> dict[str, Any]:
     summary = read_summary(point.run_dir)
     status = summary.get("status", "unknown") if summary else ("incomplete" if point.run_dir.exists() else "not run")
-    tb = point.run_dir / "tb"
+    tb = RunDir(point.run_dir).tensorboard
     scalars = read_scalars(tb) if tb.is_dir() else {}
     medians = after_warmup_medians(scalars)
     row: dict[str, Any] = {"point": point.id}
@@ -79,9 +80,9 @@ def point_row(point: Point, names: dict[str, str]) -> dict[str, Any]:
 
 
 def _effective_policy(run_dir: Path) -> Optional[str]:
-    for name in ("summary.json", "config.json"):
+    for path in (RunDir(run_dir).summary_file, RunDir(run_dir).config_file):
         try:
-            return json.loads((run_dir / name).read_text())["ac_plan"]["policy"]
+            return json.loads(path.read_text())["ac_plan"]["policy"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError):
             continue
     return None

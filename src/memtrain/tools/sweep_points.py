@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from memtrain.errors import UserError
 from memtrain.config.recipe import Recipe, did_you_mean, format_validation_error, load_yaml, parse_scalar
+from memtrain.train.run_dir import RunDir
 
 DEFAULT_SWEEP = "recipes/sweeps/tiny-cpu.yaml"
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -209,7 +210,7 @@ def train_args(sweep: Sweep, point: Point) -> list[str]:
 
 def read_summary(run_dir: Path) -> Optional[dict]:
     try:
-        return json.loads((run_dir / "summary.json").read_text())
+        return json.loads(RunDir(run_dir).summary_file.read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -258,10 +259,10 @@ def prepare_point(sweep: Sweep, point: Point) -> list[str]:
     args = train_args(sweep, point)
     summary = read_summary(point.run_dir)
     if (summary and summary.get("status") == "preempted" and _recorded_args(point) == args
-            and (point.run_dir / "checkpoints" / "latest").exists()):
-        (point.run_dir / "summary.json").unlink()
+            and (RunDir(point.run_dir).checkpoints / "latest").exists()):
+        RunDir(point.run_dir).summary_file.unlink()
         args.append("--resume")
-    elif summary or (point.run_dir / "checkpoints").exists():
+    elif summary or RunDir(point.run_dir).checkpoints.exists():
         set_aside(sweep, point)
     else:
         shutil.rmtree(point.run_dir, ignore_errors=True)
@@ -311,8 +312,8 @@ def record_outcome(point: Point, returncode: int) -> dict:
 
     status = "oom" if is_oom_text(stderr) else "failed"
     summary = {"status": status, "reason": reason, "returncode": returncode, "steps": last_step(stderr),
-               "run_dir": str(point.run_dir), "tensorboard": str(point.run_dir / "tb"), "written_by": "memtrain.tools.sweep"}
-    (point.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+               "run_dir": str(point.run_dir), "tensorboard": str(RunDir(point.run_dir).tensorboard), "written_by": "memtrain.tools.sweep"}
+    RunDir(point.run_dir).summary_file.write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -380,7 +381,7 @@ def finish_point(sweep: Sweep, point: Point, returncode: int, progress: SweepBar
     """After a point's process ended (any launcher): record it, drop its model checkpoints, count it."""
     summary = record_outcome(point, returncode)
     if summary["status"] == "completed" and not sweep.spec.keep_checkpoints:
-        shutil.rmtree(point.run_dir / "checkpoints", ignore_errors=True)
+        shutil.rmtree(RunDir(point.run_dir).checkpoints, ignore_errors=True)
     progress.done(point, summary)
     return summary
 

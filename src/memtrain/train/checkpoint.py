@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from memtrain.errors import UserError
-from memtrain.train.run_dir import finish_overwrite
 
 TAG_PREFIX = "step"
 TMP_PREFIX = ".tmp-"
@@ -152,7 +151,6 @@ def save(engine, checkpoint_dir: Path, step: int, keep_last: int, tp_size: int =
             os.replace(checkpoint_dir / tmp_tag, final)
         atomic_write_text(checkpoint_dir / "latest", tag)  # read by DeepSpeed's own tools (zero_to_fp32.py)
         _rotate(checkpoint_dir, keep_last)
-        finish_overwrite(checkpoint_dir.parent)  # --overwrite: the run this one replaces can go now
     dist.barrier()
     return tag
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memtrain.model.data import to_device
+from memtrain.model.data import as_batch, to_device
 from memtrain.model.eval_data import labelled, micro_rows
 
 
@@ -43,9 +43,7 @@ def evaluate(engine, data, sp, layout, batches: int, micro_batch: int) -> EvalRe
     try:
         with torch.no_grad():
             for index in range(batches):
-                batch = data.rows(micro_rows(index, layout.dp_rank, layout.dp_size, micro_batch))
-                if isinstance(batch, dict):
-                    batch.pop("tokens", None)
+                batch = as_batch(data.rows(micro_rows(index, layout.dp_rank, layout.dp_size, micro_batch))).inputs
                 count += labelled(batch)  # every rank of a TP/SP group counts its replica's rows, as it sums them
                 total += engine(**sp.slice_batch(to_device(batch, device)), loss_divisor=1.0).loss.double()
     finally:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from memtrain.train import checkpoint
+from memtrain.train.run_dir import RunDir
 from memtrain.units import GIB
 
 
@@ -23,16 +24,16 @@ class RunPosition:
 
     world: int = 1
     rank: int = 0
-    run_dir: Optional[Path] = None
+    run_dir: Optional[RunDir] = None
     step: int = 0  # completed steps
     bar: Any = None  # rank 0's progress bar, closed before a fault is reported
 
 
-def last_checkpoint(run_dir: Optional[Path]) -> Optional[Path]:
-    return checkpoint.latest_path(run_dir / "checkpoints") if run_dir else None
+def last_checkpoint(run_dir: Optional[RunDir]) -> Optional[Path]:
+    return checkpoint.latest_path(run_dir.checkpoints) if run_dir else None
 
 
-def _last_good_and_hint(run_dir: Path, train) -> str:
+def _last_good_and_hint(run_dir: RunDir, train) -> str:
     """Where the last good checkpoint is (saves are written from finite weights only), and what to try."""
     good = last_checkpoint(run_dir)
     kept = (f"last good checkpoint: {good} (kept; continue from it with --resume --run-dir {run_dir})" if good
@@ -41,21 +42,21 @@ def _last_good_and_hint(run_dir: Path, train) -> str:
             f"{train.warmup_steps}), keep train.grad_clip > 0 (now {train.grad_clip:g}), and prefer bf16 to fp16")
 
 
-def nonfinite_loss_message(loss: float, step: int, max_steps: int, run_dir: Path, train) -> str:
+def nonfinite_loss_message(loss: float, step: int, max_steps: int, run_dir: RunDir, train) -> str:
     """Loss went NaN/inf at `step` (1-based): say where the last good checkpoint is, and what to try."""
     return f"loss is {loss} at step {step} of {max_steps}; {_last_good_and_hint(run_dir, train)}"
 
 
-def disk_full_message(step: int, run_dir: Path, needed: int, how: str, free: int) -> str:
+def disk_full_message(step: int, run_dir: RunDir, needed: int, how: str, free: int) -> str:
     """A save that does not fit on the disk: where, how much, and the checkpoint that stays intact."""
     good = last_checkpoint(run_dir)
     kept = (f"latest is still {good.name} (intact; continue from it with --resume --run-dir {run_dir} once there "
             f"is room)" if good else "no earlier model checkpoint")
     return (f"disk full: the model checkpoint of step {step} needs about {needed / GIB:.2f} GiB ({how}) in "
-            f"{run_dir / 'checkpoints'}, which has {free / GIB:.2f} GiB free; nothing of it was kept; {kept}")
+            f"{run_dir.checkpoints}, which has {free / GIB:.2f} GiB free; nothing of it was kept; {kept}")
 
 
-def nonfinite_weights_message(step: int, max_steps: int, run_dir: Path, train) -> str:
+def nonfinite_weights_message(step: int, max_steps: int, run_dir: RunDir, train) -> str:
     """The weights after `step` hold NaN/inf (the update diverged before any loss showed it): nothing saved."""
     return (f"weights are not finite after step {step} of {max_steps} (NaN/inf in the parameters), so step {step} "
             f"was not saved; {_last_good_and_hint(run_dir, train)}")
@@ -135,10 +136,10 @@ def oom_message(progress: RunPosition, recipe, ds_config: dict) -> str:
 
 def write_failure(progress: RunPosition, status: str, reason: str) -> None:
     """summary.json for a run that stopped on a fault (atomic: a reader never sees half of it)."""
-    if progress.run_dir is None or not progress.run_dir.is_dir():
+    if progress.run_dir is None or not progress.run_dir.path.is_dir():
         return
     good = last_checkpoint(progress.run_dir)
     summary = {"status": status, "reason": reason, "steps": progress.step,
                "last_checkpoint": str(good) if good else None, "world_size": progress.world,
-               "run_dir": str(progress.run_dir), "tensorboard": str(progress.run_dir / "tb")}
-    checkpoint.atomic_write_text(progress.run_dir / "summary.json", json.dumps(summary, indent=2))
+               "run_dir": str(progress.run_dir), "tensorboard": str(progress.run_dir.tensorboard)}
+    checkpoint.atomic_write_text(progress.run_dir.summary_file, json.dumps(summary, indent=2))

@@ -12,17 +12,18 @@ import torch
 from memtrain.errors import UserError, is_rank_zero
 from memtrain.units import GIB
 from memtrain.train import checkpoint, reshard
-from memtrain.train.run_dir import ASIDE
+from memtrain.train.run_dir import CHECKPOINTS, RunDir
 
 
 def check_resume(run_dir: Path, world_size: int, max_steps: int, recipe=None,
                  ds_config: Optional[dict] = None) -> checkpoint.ResumePoint:
     """The checkpoint to resume from, or one line why not; with the launch's `recipe` and `ds_config`, a checkpoint
     of another world size is accepted where memtrain.train.reshard can convert it (else refused)."""
-    checkpoint_dir = run_dir / "checkpoints"
-    if not checkpoint.has_checkpoint(checkpoint_dir) and checkpoint.has_checkpoint(run_dir / ASIDE / "checkpoints"):
+    layout = RunDir(Path(run_dir))
+    checkpoint_dir = layout.checkpoints
+    if not checkpoint.has_checkpoint(checkpoint_dir) and checkpoint.has_checkpoint(layout.aside / CHECKPOINTS):
         raise UserError(f"--resume: no model checkpoint in {checkpoint_dir}; an interrupted --overwrite left the earlier "
-                        f"run in {run_dir / ASIDE}: move its entries back into {run_dir} to resume it")
+                        f"run in {layout.aside}: move its entries back into {run_dir} to resume it")
     # rank 0 (and the one-process preflight) reads every file's zip directory and decides; the other ranks check
     # names only (hundreds of ranks opening every shard would be ~world^2 opens) and load rank 0's choice
     # (checkpoint.load): where a damaged file makes rank 0 choose an older step, theirs would differ, so what follows
@@ -36,7 +37,7 @@ def check_resume(run_dir: Path, world_size: int, max_steps: int, recipe=None,
                         f"{world_size}; ZeRO checkpoints are per rank, relaunch with {point.world_size}")
     if not rank0:
         return point
-    config = run_dir / "config.json"
+    config = layout.config_file
     try:
         json.loads(config.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -62,7 +63,7 @@ def check_resume(run_dir: Path, world_size: int, max_steps: int, recipe=None,
 
 def _summary(run_dir: Path) -> dict:
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads(RunDir(Path(run_dir)).summary_file.read_text())
     except (OSError, ValueError):
         return {}
     return summary if isinstance(summary, dict) else {}

@@ -1,4 +1,5 @@
-"""A run directory's lifecycle: can it be created, and `--overwrite` that loses nothing.
+"""A run directory: its layout (`RunDir`, the one place that names its entries) and its lifecycle: can it be
+created, its lock, and `--overwrite` that loses nothing.
 
 `--overwrite` never deletes an earlier run up front. Rank 0 moves the earlier run's entries
 (`RUN_ENTRIES`) into `<run-dir>/.overwritten/` (renames: instant, same file system) once every
@@ -11,21 +12,68 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from memtrain.config.saved_run import CONFIG_FILE
 from memtrain.errors import NodeError, UserError
 
+SUMMARY_FILE = "summary.json"  # how the run ended: its status, steps, loss and median metrics
+CHECKPOINTS = "checkpoints"  # model checkpoints (memtrain.train.checkpoint)
+TENSORBOARD = "tb"  # DeepSpeed's TensorBoard monitor writes here (its job_name: memtrain.config.ds_config)
+FINAL = "final"  # the trained model as transformers loads it (memtrain.train.final)
 LOCK = ".lock"  # held (flock) by rank 0 of the run using the directory; not a run entry: never moved aside
-RUN_ENTRIES = ("config.json", "summary.json", "checkpoints", "tb", "csv", "final", "deepspeed.log", "logs")  # what a run writes
+# what a run writes ("csv": DeepSpeed's csv monitor; "deepspeed.log" and "logs": memtrain.train.ds_log)
+RUN_ENTRIES = (CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS, TENSORBOARD, "csv", FINAL, "deepspeed.log", "logs")
 ASIDE = ".overwritten"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run directory and the paths in it. Made once per run (the trainer, a tool reading a run) and passed down;
+    prints as its path, so a message names the directory the user gave."""
+
+    path: Path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD
+
+    @property
+    def final(self) -> Path:
+        return self.path / FINAL
+
+    @property
+    def config_file(self) -> Path:
+        """config.json: the recipe and JSON each segment ran with (memtrain.config.saved_run reads it)."""
+        return self.path / CONFIG_FILE
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / SUMMARY_FILE
+
+    @property
+    def aside(self) -> Path:
+        """Where `--overwrite` keeps the earlier run until this one saved a model checkpoint (`set_aside`)."""
+        return self.path / ASIDE
 
 _set_aside: set[Path] = set()  # run dirs this process moved aside (only its own are rolled back)
 _locks: dict[Path, int] = {}  # run dirs this process holds: their lock files' descriptors
 
 
 def holds_run(run_dir: Path) -> bool:
-    return any((run_dir / name).exists() for name in RUN_ENTRIES[:4])
+    return any((run_dir / name).exists() for name in (CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS, TENSORBOARD))
 
 
 def check_creatable(path: Path, what: str) -> None:

@@ -9,6 +9,8 @@ saved), and `StopAgreement` once per step after it.
 A launcher that ends while its ranks train counts as a stop too (`watch_launchers`): DeepSpeed's `deepspeed` runner
 forwards no signal to the `launch.py` below it, so a SIGTERM to the runner alone (`timeout`, Kubernetes, a CI
 runner, `kill <pid>`) would leave the ranks training on their own.
+
+`StopDeadline` warns once where stopping (up to two steps, then a save) would outlast train.stop_deadline_s.
 """
 from __future__ import annotations
 
@@ -201,3 +203,26 @@ class StopAgreement:
         if self.pending is not None:
             self.pending[0].wait()
             self.pending = None
+
+
+class StopDeadline:
+    """train.stop_deadline_s: warn (once, rank 0) when a stop, up to 2 steps and then a save, would outlast it.
+    Step time is measured after the metric warm-up; save time once a save ran (until then it is left out)."""
+
+    def __init__(self, deadline_s: Optional[float], warmup_steps: int) -> None:
+        self.deadline_s, self.warmup_steps = deadline_s, warmup_steps
+        self.intervals = 0
+        self.warned = False
+
+    def check(self, step_s: float, save_s: Optional[float], rank: int) -> None:
+        self.intervals += 1
+        if self.deadline_s is None or self.warned or rank != 0 or self.intervals == 1 and self.warmup_steps:
+            return  # the first interval holds the warm-up steps
+        needed = 2 * step_s + (save_s or 0.0)
+        if needed > self.deadline_s:
+            self.warned = True
+            save = f" and a save ({save_s:.1f} s)" if save_s else " (a save not yet measured)"
+            print(f"warning: a stop signal may arrive {self.deadline_s:g} s before the job is killed "
+                  f"(train.stop_deadline_s), but stopping takes up to 2 steps (2 x {step_s:.1f} s){save} = "
+                  f"{needed:.0f} s: ask Slurm for a longer warning (sbatch --signal=B:USR1@SECONDS, and "
+                  "MEMTRAIN_SIGNAL_LEAD_S for slurm/train.sbatch) or save more often", flush=True)

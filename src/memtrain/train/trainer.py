@@ -1,54 +1,51 @@
-"""The training loop: DeepSpeed engine, per-layer AC plan, metrics to DeepSpeed's monitor."""
+"""A run: the ranks meet, the run directory and the engine are set up (`Trainer.set_up`), the step loop runs
+(`Trainer.fit`, `Trainer.train_step`) and the run ends (`Trainer.finish`: the last checkpoint, final/, summary.json)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import socket
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from memtrain.train import checkpoint, reshard
-from memtrain.train import run_dir as run_dirs
-from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.config.args import RunArgs
-from memtrain.config.saved_run import CONFIG_FILE
+from memtrain.config.ds_config import AUTO, model_hidden_size, offload_device, resolve_ds_config, tp_size, zero_stage
+from memtrain.config.recipe import TrainSection
+from memtrain.errors import EXIT_RUN_FAILED, RunFailed, UserError, report_here
+from memtrain.model.build import build_model
 from memtrain.model.chat_data import PackedChat, report_line
-from memtrain.model.data import PackedData, RandomTokens, blend_plan_line, prepare_data, to_device
+from memtrain.model.data import RandomTokens, as_batch, blend_plan_line, prepare_data, to_device
 from memtrain.model.eval_data import batches_per_rank, prepare_eval_data
 from memtrain.model.freeze import freeze
 from memtrain.model.lora import add_lora, trainable_patterns
-from memtrain.train.final import save_final
-from memtrain.config.ds_config import AUTO, model_hidden_size, offload_device, resolve_ds_config, tp_size, zero_stage
-from memtrain.train import ds_log
-from memtrain.train.loss_scale import scaler_row, skipped_warning
-from memtrain.train.optimizer import engine_arguments, own_sections
-from memtrain.errors import EXIT_RUN_FAILED, RunFailed, UserError, report_here
-from memtrain.train.faults import (RunPosition, disk_full_message, is_oom, nonfinite_loss_message,
-                                   nonfinite_weights_message, oom_message, write_failure)
-from memtrain.memory.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
-from memtrain.recompute.meter import ActivationMeter
-from memtrain.recompute.compiled import CompiledLayers, CompileWatch, compile_line, compile_seconds
-from memtrain.units import GIB
-from memtrain.train.metrics import IntervalTimer, device_memory, host_rss_gib, medians, reset_device_peak
-from memtrain.model.build import build_model
 from memtrain.model.zero_init import build_model_zero3
 from memtrain.recompute import partition
-from memtrain.train import parallel
-from memtrain.train import rng
-from memtrain.train.preflight import check_host_memory, check_run
-from memtrain.train import long_context
-from memtrain.train import gloo_env, signals
+from memtrain.recompute.compiled import CompiledLayers, CompileWatch, compile_line, compile_seconds
+from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
+from memtrain.recompute.meter import ActivationMeter
+from memtrain.recompute.policy import ACPlan
+from memtrain.train import checkpoint, ds_log, gloo_env, long_context, parallel, reshard, rng, signals
+from memtrain.train import run_dir as run_dirs
+from memtrain.train.checkpointer import Checkpointer, samples_per_step, save_every_s
+from memtrain.train.evaluate import EvalResult, evaluate
+from memtrain.train.faults import RunPosition, is_oom, oom_message, write_failure
+from memtrain.train.final import save_final
+from memtrain.train.interval_log import IntervalLogger, eval_due, is_boundary, log_every
+from memtrain.train.loss_scale import scaler_row, skipped_warning
+from memtrain.train.metrics import medians
 from memtrain.train.node import agent_ranks
-from memtrain.train.evaluate import evaluate
+from memtrain.train.optimizer import engine_arguments, own_sections
+from memtrain.train.preflight import check_host_memory, check_run
+from memtrain.train.run_dir import RunDir
 from memtrain.train.zero3_probe import OpCounter, Zero3Probe, summarize
+from memtrain.units import GIB
 
 
 
@@ -146,35 +143,6 @@ def set_local_device() -> torch.device:
     return torch.device("cpu")
 
 
-SLURM_SAVE_EVERY_MINUTES = 30.0  # a Slurm job's default: a requeue after a lost node loses at most this much
-
-
-def save_every_s(train) -> Optional[float]:
-    """Seconds between timed model checkpoints (train.save_every_minutes; in a Slurm job 30 minutes by default,
-    since its requeue resumes from the newest checkpoint); None: no timed saves."""
-    minutes = train.save_every_minutes
-    if minutes is None and "SLURM_JOB_ID" in os.environ:
-        minutes = SLURM_SAVE_EVERY_MINUTES
-    return minutes * 60 if minutes and train.save_checkpoints else None
-
-
-def log_every(train, raw_ds_config: dict) -> int:
-    """train.log_every, else the JSON's steps_per_print, else 10."""
-    return int(train.log_every or raw_ds_config.get("steps_per_print") or 10)
-
-
-def is_boundary(done: int, t, every: int) -> bool:
-    """Steps after which the ranks synchronise: log, the end of the metric warm-up, a save, the last.
-    A pure function of the step, so every rank stops at the same ones."""
-    return (done % every == 0 or done == t.max_steps or done == t.metric_warmup_steps
-            or bool(t.save_interval and done % t.save_interval == 0) or eval_due(done, t))
-
-
-def eval_due(done: int, t) -> bool:
-    """Steps after which the held-out data is evaluated (when there is some): every train.eval_every, and the last."""
-    return done == t.max_steps or bool(t.eval_every and done % t.eval_every == 0)
-
-
 def _check_the_nodes_host_memory(checked, world: int) -> None:
     """The host-memory check again, with every rank on this host counted: several launcher agents on one node (2 x 4
     ranks instead of 1 x 8) each saw only their own ranks before the ranks met. One all-gather of host names."""
@@ -190,7 +158,7 @@ def _check_the_nodes_host_memory(checked, world: int) -> None:
         check_host_memory(prediction, world, ranks_on_node=here, final=checked.final_bytes)
 
 
-def _choose_run_dir(args: RunArgs, rank: int) -> tuple[Path, Optional[str]]:
+def _choose_run_dir(args: RunArgs, rank: int) -> tuple[RunDir, Optional[str]]:
     """The run directory (one timestamp for all ranks), held by rank 0 for the run (run_dir.lock): a second run on it
     is refused on every rank; a warning where its file system has no file locks."""
     import deepspeed.comm as dist
@@ -203,7 +171,7 @@ def _choose_run_dir(args: RunArgs, rank: int) -> tuple[Path, Optional[str]]:
     path, refusal, warning = chosen[0]
     if refusal:
         raise UserError(refusal)
-    return Path(path), warning
+    return RunDir(Path(path)), warning
 
 
 def train(args: RunArgs) -> dict:
@@ -215,10 +183,12 @@ def train(args: RunArgs) -> dict:
     try:
         return _train_or_report(args, progress)
     except BaseException:  # --overwrite: the new run saved nothing, so the earlier run comes back
-        run_dirs.roll_back(progress.run_dir)
+        if progress.run_dir is not None:
+            run_dirs.roll_back(progress.run_dir.path)
         raise
     finally:
-        run_dirs.unlock(progress.run_dir)
+        if progress.run_dir is not None:
+            run_dirs.unlock(progress.run_dir.path)
 
 
 def _train_or_report(args: RunArgs, progress: RunPosition) -> dict:
@@ -237,7 +207,8 @@ def _train_or_report(args: RunArgs, progress: RunPosition) -> dict:
             raise
         reason = oom_message(progress, args.recipe, args.ds_config)
         write_failure(progress, "oom", reason)
-        run_dirs.roll_back(progress.run_dir)
+        if progress.run_dir is not None:
+            run_dirs.roll_back(progress.run_dir.path)
         if progress.world == 1:
             raise RunFailed(reason) from None
         # Other ranks may wait in a collective forever: report from this rank and leave at once;
@@ -249,401 +220,350 @@ def _train_or_report(args: RunArgs, progress: RunPosition) -> dict:
 def _train(args: RunArgs, progress: RunPosition) -> dict:
     """A run in three phases: set up (checks, ranks, run directory, engine), the step loop, and the end
     (model checkpoint, final/, summary.json)."""
-    run = _start(args, progress)
-    steps = _steps(run, progress)
-    return _finish(run, steps)
+    trainer = Trainer.set_up(args, progress)
+    trainer.fit()
+    return trainer.finish()
+
+
+COMPILE_WARMUP_STEPS = 2  # steps that may compile: the first forward and backward, and a graph-mode change
 
 
 @dataclass
-class _Run:
-    """What the set-up hands to the step loop and the end of the run."""
+class Trainer:
+    """A run segment once set up: what it trains (engine, data, AC plan), where (run directory, data layout), and
+    where its loop stands. `fit()` runs the steps, `train_step()` one of them, `finish()` saves and reports."""
 
     args: RunArgs
-    world: int
-    rank: int
-    checked: Any  # memtrain.train.preflight.Checked
-    plan: Any  # the ACPlan every rank runs (rank 0's under policy auto)
-    memory_plan: Any
-    run_dir: Path
-    predicted_peak: Optional[int]
-    data: Any
-    agreement: Any  # signals.StopAgreement
-    engine: Any
-    longctx: Any
-    layout: Any
+    progress: RunPosition  # world, rank, run directory, step and bar: what a fault's report needs
+    checked: Any  # preflight's result (memtrain.train.preflight): model config, spec, prediction, warnings
+    plan: ACPlan  # the plan every rank runs (rank 0's under policy auto)
+    memory_plan: Any  # policy auto's plan (memtrain.memory.planner), else None
+    run_dir: RunDir
+    data: Any  # the training rows: packed text, chat rows or random tokens (memtrain.model.data)
+    eval_data: Any  # held-out rows (memtrain.model.eval_data), or None
+    agreement: signals.StopAgreement
+    engine: Any  # DeepSpeed's engine
+    longctx: long_context.LongContext  # sequence parallel, tiled MLP, loss
+    layout: parallel.Layout  # which batch this rank reads
     compiled: bool  # train.compile, as rank 0 decided
-    eval_data: Any = None  # held-out rows (memtrain.model.eval_data), or None
-
-
-@dataclass
-class _Steps:
-    """What the step loop did."""
-
-    start: int
-    done: int
-    status: str
-    stop_signal: Optional[str]
-    last_loss: float
-    history: list
-    measured_steps: int
-    started: float
-    probe: Any
-    compiles: Any  # memtrain.recompute.compiled.CompileWatch under train.compile, else None
-    last_eval: Any = None  # memtrain.train.evaluate.EvalResult of the last eval, or None
+    # the loop's state
+    start: int = 0  # the first step of this segment (a resumed run's checkpoint)
     shift: int = 0  # the data's step is the step + shift (a resume on another batch size: train/reshard.py)
+    done: int = 0  # steps completed
+    status: str = "completed"
+    stop_signal: Optional[str] = None
+    started: float = 0.0  # time.time() as the loop began
+    eval_batches: int = 0  # eval micro-batches a data rank reads (0: no held-out data)
+    last_eval: Optional[EvalResult] = None
+    meter: ActivationMeter = field(default_factory=ActivationMeter)
+    probe: Optional[Zero3Probe] = None  # train.probe
+    compiles: Optional[CompileWatch] = None  # train.compile
+    log: Optional[IntervalLogger] = None
+    checkpointer: Optional[Checkpointer] = None
+
+    @property
+    def t(self) -> TrainSection:
+        return self.args.recipe.train
+
+    @property
+    def rank(self) -> int:
+        return self.progress.rank
+
+    def prediction(self):
+        """What memtrain predicted for the plan that runs (policy auto's plan came with its own)."""
+        return self.memory_plan.prediction if self.memory_plan is not None else self.checked.prediction
+
+    @classmethod
+    def set_up(cls, args: RunArgs, progress: RunPosition) -> "Trainer":
+        """Every check before any distributed work (the one `make train` runs first), the ranks, the run directory and
+        its plan lines, the model with its AC hooks and the DeepSpeed engine."""
+        import deepspeed.comm as dist
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        recipe, t, world = args.recipe, args.recipe.train, progress.world
+        set_local_device()  # before validation: policy auto times this rank's own device
+        checked = check_run(args, world)  # validate everything: the same check `make train` runs first
+        data, eval_data, gloo_warning = _meet_the_ranks(recipe, args.ds_config, world, checked.config.vocab_size)
+        _check_the_nodes_host_memory(checked, world)
+        # a stop signal on any rank stops all within two steps; rank 0's clock decides timed saves
+        agreement = signals.StopAgreement(world, save_every_s(t), progress.rank)
+        plan, memory_plan, compiled = _one_plan(checked, t)
+        run_dir, lock_warning = _choose_run_dir(args, progress.rank)
+        progress.run_dir = run_dir
+        ds_log.buffer()  # DeepSpeed's own log: off the console, to run_dir/deepspeed.log below
+        ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, recipe, world, run_dir.path,
+                                                          plan.checkpoint_calls, hidden_size=model_hidden_size(
+                                                              checked.config), default_tensorboard=True))
+        earlier: list = []  # a resumed run's earlier segments (rank 0's, for config.json)
+        if progress.rank == 0:
+            earlier = _prepare_run_dir(args, run_dir, ds_config, world, plan)
+            warnings = checked.warnings + tuple(w for w in (lock_warning, gloo_warning) if w)
+            print("\n".join(_plan_lines(args, checked, plan, memory_plan, compiled, data, agreement, world)
+                            + [f"warning: {w}" for w in warnings]), flush=True)
+        dist.barrier()  # the run directory is ready (an earlier run's files set aside) before any rank writes to it
+        run_dirs.check_shared(run_dir.path, progress.rank)  # every node sees it (one line, on every rank, where not)
+        ds_log.to_file(run_dir.path, progress.rank)
+        engine, longctx, layout, number_changed = build_engine(recipe, checked.config, plan, ds_config, args.ds_config,
+                                                               checked.spec, compiled=compiled.on)
+        if progress.rank == 0:
+            print("\n".join(longctx.lines), flush=True)
+            if number_changed:  # number_checkpoints "auto": the modules matched are known now
+                _write_config(run_dir, args, ds_config, world, plan, earlier)
+        return cls(args, progress, checked, plan, memory_plan, run_dir, data, eval_data, agreement, engine, longctx,
+                   layout, compiled.on)
+
+    def fit(self) -> None:
+        """The step loop, from a resumed step if any. Each step trains (`train_step`); at a boundary (`is_boundary`,
+        a stop signal, a timed save) the interval is logged, the held-out data evaluated, and the run stops or saves."""
+        t = self.t
+        self._resume()
+        log, saver = self._start_loop()
+        deadline = signals.StopDeadline(t.stop_deadline_s, t.metric_warmup_steps)
+        every = log_every(t, self.args.ds_config)
+        log.begin(self.start)
+        for step in range(self.start, self.start if self.stop_signal else t.max_steps):
+            log.step_done(*self.train_step(step))
+            self.done = step + 1
+            self._report_compiles(step)
+            agreed = self.agreement.step()  # signals any rank had by the end of the previous step
+            if not (is_boundary(self.done, t, every) or agreed or self.agreement.save_due):
+                continue
+            row, stopped = log.close(self.done, agreed)  # the boundary: one all-reduce, one host read
+            deadline.check(log.step_s, saver.seconds, self.rank)
+            if self.eval_batches and eval_due(self.done, t) and not stopped:
+                row = {**row, **self._evaluate(step)}  # a new row: the history keeps training's figures only
+            log.publish(row, self.done, self.last_eval.loss if self.last_eval else None)
+            if stopped:
+                self.stop_signal, self.status = signals.received() or stopped[0], "preempted"  # every rank's
+                break
+            saver.maybe_save(self.done, self.agreement)
+            log.begin(self.done)
+        self.progress.bar.close()
+        self.agreement.close()
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, int]:
+        """One optimizer step of train.grad_accum_steps micro-batches: (the summed micro-step loss, left on the
+        device: no host-device sync inside a step; the real tokens this rank read)."""
+        t, layout, engine, data, sp = self.t, self.layout, self.engine, self.data, self.longctx.sp
+        loss_sum, tokens = torch.zeros((), device=engine.device), 0
+        # the step's labelled tokens, every rank's, from the data itself (no collective): the loss is their mean
+        divisor = layout.loss_divisor(data.labelled_tokens(step + self.shift, layout.dp_size, t.micro_batch_size,
+                                                           t.grad_accum_steps), t.grad_accum_steps)
+        count_ops = self.probe is not None and step == self.start + 2  # one step, after ZeRO-3 recorded its trace
+        with OpCounter() if count_ops else nullcontext() as ops:
+            for micro in range(t.grad_accum_steps):
+                batch = as_batch(data.batch(step + self.shift, micro, layout.dp_rank, layout.dp_size,
+                                            t.micro_batch_size, t.grad_accum_steps))
+                tokens += batch.tokens
+                measure = step == self.log.start and micro == 0  # activation bytes of one forward per interval
+                with self.meter.measure() if measure else nullcontext():
+                    loss = engine(**sp.slice_batch(to_device(batch.inputs, engine.device)), loss_divisor=divisor).loss
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach().float()
+        if self.probe:
+            self.probe.step_done(engine, {"aten_ops": ops.ops} if count_ops else None)
+        return loss_sum, tokens
+
+    def _resume(self) -> None:
+        """Where this segment starts: a resumed run's checkpoint (its RNG streams too; one of another world size
+        through its universal copy: train/reshard.py), else step 0; a stop signal during start-up ends it here."""
+        t = self.t
+        rng.seed_everything(t.seed, self.layout, self.rank)  # dropout streams: one per data-parallel rank
+        resumed = reshard.resume(self.engine, self.run_dir.checkpoints, samples_per_step(t, self.layout)) \
+            if self.args.resume else None
+        if resumed:
+            self.start, self.shift = resumed.step, resumed.shift  # the data reads step + shift
+            if resumed.line and self.rank == 0:
+                print(resumed.line, flush=True)
+        self.done = self.progress.step = self.start
+        self.started = time.time()
+        self.stop_signal = _stopped_in_start_up(self.engine.device, self.progress.world)
+        if self.stop_signal:  # nothing trained, nothing saved: a requeue starts cleanly
+            self.status = "preempted"
+
+    def _start_loop(self) -> tuple[IntervalLogger, Checkpointer]:
+        """The loop's companions: the bar, the interval logger, the checkpointer, train.probe and train.compile."""
+        from tqdm import tqdm
+
+        t, layout = self.t, self.layout
+        if self.eval_data is not None:
+            self.eval_batches = batches_per_rank(len(self.eval_data), t.eval_batches, layout.dp_size,
+                                                 t.micro_batch_size, t.grad_accum_steps)
+        bar = self.progress.bar = tqdm(total=t.max_steps, initial=self.start, disable=self.rank != 0,
+                                       desc=self.args.recipe.name, unit="step", dynamic_ncols=True)
+        self.log = IntervalLogger(self.engine, layout, t, self.plan, self.checked.config, self.args.recipe.data.seq_len,
+                                  self.run_dir, self.progress, bar, self.meter, self.prediction().peak)
+        self.checkpointer = Checkpointer(self.engine, self.run_dir, t, layout, self.shift)
+        self.probe = _start_probe(self.engine) if t.probe else None
+        self.compiles = CompileWatch() if self.compiled else None
+        return self.log, self.checkpointer
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """The held-out loss after `step`, outside the interval's clock; its TensorBoard tags."""
+        self.last_eval = evaluate(self.engine, self.eval_data, self.longctx.sp, self.layout, self.eval_batches,
+                                  self.t.micro_batch_size)
+        if self.compiles is not None:  # eval's no-grad forward compiles each layer once more: expected, not late
+            self.compiles.step_done(step, warmed_up=False)
+        return self.last_eval.metrics()
+
+    def _report_compiles(self, step: int) -> None:
+        """train.compile: a warning for each compile after the warm-up (with dynamo's reason), and the compile line
+        once the warm-up is over (the measured activations against the plan's eager prediction). Host-side
+        counters: no device sync."""
+        if self.compiles is None:
+            return
+        lines = self.compiles.step_done(step, warmed_up=self.done > self.start + COMPILE_WARMUP_STEPS)
+        if self.rank != 0:
+            return
+        for line in lines:
+            self.progress.bar.write(f"warning: {line}")
+        if self.done == min(self.start + COMPILE_WARMUP_STEPS, self.t.max_steps):
+            planned = getattr(self.prediction(), "saved_activations", None)
+            self.progress.bar.write(compile_line(self.compiles, self.meter.bytes, planned))
+
+    def finish(self) -> dict:
+        """The last model checkpoint, final/ and summary.json, then the process group closed."""
+        import deepspeed.comm as dist
+
+        t, run_dir, recipe = self.t, self.run_dir, self.args.recipe
+        completed = self.done if self.status == "preempted" else t.max_steps
+        if t.save_checkpoints and completed > self.start:  # a stop during start-up trained nothing: nothing to save
+            self.checkpointer.save(completed)
+        if t.save_checkpoints and self.status == "completed":  # final/: loads with transformers' from_pretrained
+            config = self.checked.config
+            save_final(self.engine, self.engine.module, run_dir.final, recipe, lambda: build_model(recipe.model, config))
+        summary = self.summary(completed)
+        if self.rank == 0:
+            checkpoint.atomic_write_text(run_dir.summary_file, json.dumps(summary, indent=2))
+            run_dirs.finish_overwrite(run_dir.path)  # with train.save_checkpoints: false, nothing saved before
+            self._print_end(summary["skipped_steps"], completed)
+        dist.barrier()
+        # Close the process group before the interpreter exits: left to interpreter shutdown, gloo's
+        # threads were seen to abort a finished rank ("terminate called without an active exception").
+        dist.destroy_process_group()
+        return summary
+
+    def summary(self, completed: int) -> dict:
+        """summary.json: how the segment ended, its metrics' medians after the warm-up, the plan and the prediction."""
+        engine, device, log = self.engine, self.engine.device, self.log
+        summary = {
+            "status": self.status,
+            "steps": completed,
+            "stop_signal": self.stop_signal,
+            "final_loss": log.last_loss,
+            "metrics": medians(log.history, 0),
+            "measured_steps": log.measured_steps,
+            "world_size": self.progress.world,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "elapsed_s": time.time() - self.started,
+            "ac_plan": self.plan.to_dict(),
+            "run_dir": str(self.run_dir),
+            "tensorboard": str(self.run_dir.tensorboard),
+        }
+        summary.update({k.partition("/")[2]: v for k, v in scaler_row(engine).items()})
+        summary["skipped_steps"] = int(summary["skipped_steps"])
+        if self.last_eval is not None:  # the last eval of this segment (a resumed run's too)
+            summary.update(eval_loss=self.last_eval.loss, eval_perplexity=self.last_eval.perplexity,
+                           eval_tokens=self.last_eval.tokens)
+        if self.prediction().peak is not None:
+            summary["predicted_peak_gib"] = self.prediction().peak / GIB
+        if device.type == "cuda":
+            summary["peak_allocated_gib"] = max((r["memory/peak_allocated_gib"] for r in log.history), default=0.0)
+        if self.memory_plan is not None:
+            summary["memory_plan"] = self.memory_plan.to_dict()
+        if self.compiles is not None:
+            summary["compile"] = {"compiles": self.compiles.compiles, "seconds": compile_seconds(),
+                                  "recompiles_after_warmup": self.compiles.late}
+        if self.probe is not None:
+            self.probe.__exit__(None, None, None)
+            summary["probe"] = {**summarize(self.probe.steps), "per_step": self.probe.steps}
+        return summary
+
+    def _print_end(self, skipped_steps: int, completed: int) -> None:
+        """Rank 0's last lines: skipped fp16 steps, and how the run ended, where its logs are and what comes next."""
+        run_dir = self.run_dir
+        skipped = skipped_warning(skipped_steps, completed - self.start)
+        if skipped:
+            print(f"warning: {skipped}", flush=True)
+        if self.status == "preempted":  # stopped: the command that continues it (its inputs come from config.json)
+            then = f"; continue with: --resume --run-dir {run_dir}"
+        else:
+            then = f"; model: {run_dir.final}" if run_dir.final.is_dir() else ""
+        held_out = "" if self.last_eval is None else \
+            f", eval loss {self.last_eval.loss:.4f} (perplexity {self.last_eval.perplexity:.2f})"
+        print(f"{self.status}: {completed} steps, final loss {self.log.last_loss:.4f}{held_out}; "
+              f"TensorBoard logs: {run_dir.tensorboard} (tensorboard --logdir {run_dir.tensorboard}){then}", flush=True)
 
 
-def _start(args: RunArgs, progress: RunPosition) -> _Run:
-    """Every check before any distributed work (the one `make train` runs first), the ranks, the run directory and
-    its plan lines, the model with its AC hooks and the DeepSpeed engine."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    recipe = args.recipe
+def _meet_the_ranks(recipe, ds_config: dict, world: int, vocab_size: int) -> tuple[Any, Any, Optional[str]]:
+    """Signals recorded, CPU threads shared, the data read, then the ranks' rendezvous and their groups' timeout:
+    (training rows, held-out rows or None, gloo's warning or None)."""
     t = recipe.train
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    set_local_device()  # before validation: policy auto times this rank's own device
-
-    # --- validate everything before any distributed work: the same check `make train` runs first
-    checked = check_run(args, world)
-    config, plan = checked.config, checked.plan
-
-    # --- distributed set-up
-    import deepspeed
-    import deepspeed.comm as dist
-
     signals.install()  # src/train.py did already, first thing; an in-process caller gets it here
-    _share_cpu_cores(args.ds_config)
+    _share_cpu_cores(ds_config)
     _skip_shm_comm_op()
     # The corpus is packed before the rendezvous: ranks wait on the cache's file lock, not in a collective
     # that a long packing would time out (memtrain.model.data.prepare_data).
-    data = RandomTokens(config.vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
+    data = RandomTokens(vocab_size, recipe.data.seq_len, t.seed) if recipe.data.random_tokens else \
         prepare_data(recipe.data, t.seed)
     eval_data = prepare_eval_data(recipe.data, t.seed)  # packed the same way, before the ranks meet
     gloo_warning = gloo_env.prepare(world)  # descriptors for gloo's sockets, an address other nodes reach
     timeout = timedelta(seconds=t.collective_timeout_s)
     _meet(timeout)
     _groups_wait_as_long_as_the_world(timeout)
-    rank = dist.get_rank()
-    _check_the_nodes_host_memory(checked, world)
-    # a stop signal on any rank stops all within two steps; rank 0's clock decides timed saves
-    agreement = signals.StopAgreement(world, save_every_s(t), rank)
-    memory_plan, compiled = checked.memory_plan, checked.compile
-    if memory_plan is not None or t.compile == "auto":
-        # policy auto: every rank planned on its own device (set above), but they must all run one
-        # plan: rank 0's. Per-rank plans could differ by timing noise, and a rank that recomputes
-        # less than the others would be the one to run out of memory first. train.compile auto: each rank read
-        # its own node's gpu-check figures; all compile, or none, as rank 0 decided.
-        shared = [plan, memory_plan, compiled]
+    return data, eval_data, gloo_warning
+
+
+def _one_plan(checked, t) -> tuple[ACPlan, Any, Any]:
+    """(AC plan, policy auto's plan, compile choice) every rank runs: rank 0's.
+
+    policy auto: every rank planned on its own device, but they must all run one plan: rank 0's. Per-rank plans could
+    differ by timing noise, and a rank that recomputes less than the others would be the one to run out of memory
+    first. train.compile auto: each rank read its own node's gpu-check figures; all compile, or none, as rank 0
+    decided."""
+    import deepspeed.comm as dist
+
+    shared = [checked.plan, checked.memory_plan, checked.compile]
+    if checked.memory_plan is not None or t.compile == "auto":
         dist.broadcast_object_list(shared, src=0)
-        plan, memory_plan, compiled = shared
-    run_dir, lock_warning = _choose_run_dir(args, rank)
-    progress.run_dir = run_dir
-    ds_log.buffer()  # DeepSpeed's own log: off the console, to run_dir/deepspeed.log below
-    ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, recipe, world, run_dir, plan.checkpoint_calls,
-                                                      hidden_size=model_hidden_size(config), default_tensorboard=True))
-    # the plan every rank runs: rank 0's, for policy auto (its prediction came with it)
-    predicted_peak = (memory_plan.prediction if memory_plan is not None else checked.prediction).peak
-    if rank == 0:
-        if args.overwrite:  # the earlier run moves aside; deleted once this run saved a model checkpoint
-            run_dirs.set_aside(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        earlier = _earlier_segments(run_dir) if args.resume else []
-        _write_config(run_dir, args, ds_config, world, plan, earlier)
-        if args.resume_changes:  # --resume continues the run's saved inputs; what this launch changes of them
-            print(f"resume overrides: {'; '.join(args.resume_changes)}", flush=True)
-        print(plan.describe(), flush=True)
-        for line in checked.zero3.lines:
-            print(f"  {line}", flush=True)
-        for line in checked.model_lines:
-            print(line, flush=True)
-        if compiled.line:
-            print(compiled.line, flush=True)
-        if isinstance(data, PackedChat):  # what was packed, how full the rows are, what was skipped and why
-            print(report_line(data.report, recipe.data), flush=True)
-        if recipe.data.sources:  # each source's tokens, share of the rows and epochs this run takes of it
-            dp = world // (tp_size(args.ds_config) * recipe.parallel.sequence)
-            print(blend_plan_line(data, t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp), flush=True)
-        if memory_plan is not None:
-            print(memory_plan.describe(), flush=True)
-        if agreement.save_every_s and t.save_checkpoints:  # what a requeue after a lost node resumes from
-            why = "train.save_every_minutes" if t.save_every_minutes else "a Slurm job's default"
-            print(f"model checkpoints: every {agreement.save_every_s / 60:g} min of training ({why})"
-                  + (f", every {t.save_interval} steps" if t.save_interval else "") + ", on a stop signal and at the end",
-                  flush=True)
-        for warning in checked.warnings + tuple(w for w in (lock_warning, gloo_warning) if w):
-            print(f"warning: {warning}", flush=True)
-    dist.barrier()  # the run directory is ready (an earlier run's files set aside) before any rank writes to it
-    run_dirs.check_shared(run_dir, rank)  # every node sees it (one line, on every rank, where one does not)
-    ds_log.to_file(run_dir, rank)
-
-    # --- model, AC hooks, engine
-    engine, longctx, layout, number_changed = build_engine(recipe, config, plan, ds_config, args.ds_config, checked.spec,
-                                                           compiled=compiled.on)
-    if rank == 0:
-        print("\n".join(longctx.lines), flush=True)
-        if number_changed:  # number_checkpoints "auto": the modules matched are known now
-            _write_config(run_dir, args, ds_config, world, plan, earlier)
-    return _Run(args, world, rank, checked, plan, memory_plan, run_dir, predicted_peak, data, agreement, engine,
-                longctx, layout, compiled.on, eval_data)
+    return shared[0], shared[1], shared[2]
 
 
-def _steps(run: _Run, progress: RunPosition) -> _Steps:
-    """The training loop, from a resumed step if any; no host-device sync inside a step (see below). Longer than
-    the house's 80 lines on purpose: the steady state and the one boundary that syncs read best side by side."""
-    import deepspeed.comm as dist
-    from tqdm import tqdm
-
-    args, engine, layout, plan, world, rank = run.args, run.engine, run.layout, run.plan, run.world, run.rank
-    recipe, config, run_dir, agreement, data = args.recipe, run.checked.config, run.run_dir, run.agreement, run.data
-    t = recipe.train
-    sp, device = run.longctx.sp, engine.device  # every tensor that meets a collective lives on `device`
-    rng.seed_everything(t.seed, layout, rank)  # dropout streams: one per data-parallel rank (a TP group shares it)
-    # restores the RNG streams too; a checkpoint of another world size through its universal copy (train/reshard.py)
-    resumed = reshard.resume(engine, run_dir / "checkpoints", _samples_per_step(t, layout)) if args.resume else None
-    start, shift = (resumed.step, resumed.shift) if resumed else (0, 0)  # the data reads step + shift
-    if resumed and resumed.line and rank == 0:
-        print(resumed.line, flush=True)
-    progress.step = start
-
-    flops_per_token = model_flops_per_token(config, recipe.data.seq_len)
-    recompute = _recompute_flops(config, recipe.data.seq_len, plan)
-    hardware_flops_per_token = None if recompute is None else flops_per_token + recompute
-    peak_tflops = t.peak_tflops or device_peak_tflops()
-    tokens_per_step = layout.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, recipe.data.seq_len)
-    every = log_every(t, args.ds_config)
-    eval_batches = 0 if run.eval_data is None else \
-        batches_per_rank(len(run.eval_data), t.eval_batches, layout.dp_size, t.micro_batch_size, t.grad_accum_steps)
-    last_eval = None
-    meter = ActivationMeter()
-    timer = IntervalTimer(device)
-    history: list[dict[str, float]] = []
-    measured_steps = 0
-    status, done, last_loss = "completed", start, float("nan")
-    started = time.time()
-    stop_signal = _stopped_in_start_up(device, world)  # nothing trained, nothing saved: a requeue starts cleanly
-    if stop_signal:
-        status = "preempted"
-
-    bar = progress.bar = tqdm(total=t.max_steps, initial=start, disable=rank != 0, desc=recipe.name, unit="step",
-                              dynamic_ncols=True)
-    # Steady state: no host-device sync inside a step. Per-step losses stay on the device until the
-    # next boundary (`is_boundary`), where one all-reduce carries them and the stop flags, and one
-    # read brings them to the host: the NaN check, the stop agreement and logging happen there.
-    step_losses: list[torch.Tensor] = []
-    # chat/instruction rows end in padding: tokens/s and MFU count the real tokens, summed over the data ranks in
-    # the boundary's all-reduce (each rank of a TP/SP group read the same batch: dp_size / world of each counts)
-    count_real = not isinstance(data, (RandomTokens, PackedData))
-    interval_tokens = 0
-    interval_start = start
-    reset_device_peak()
-    timer.start()
-    probe = _start_probe(engine) if t.probe else None
-    deadline = StopDeadline(t.stop_deadline_s, t.metric_warmup_steps)
-    compiles = CompileWatch() if run.compiled else None
-    for step in range(start, start if stop_signal else t.max_steps):
-        measure = step == interval_start  # activation bytes of one forward per interval
-        loss_sum = torch.zeros((), device=device)
-        # the step's labelled tokens, every rank's, from the data itself (no collective): the loss is their mean
-        divisor = layout.loss_divisor(data.labelled_tokens(step + shift, layout.dp_size, t.micro_batch_size,
-                                                           t.grad_accum_steps), t.grad_accum_steps)
-        count_ops = probe is not None and step == start + 2  # one step, after ZeRO-3 recorded its trace
-        with OpCounter() if count_ops else nullcontext() as ops:
-            for micro in range(t.grad_accum_steps):
-                batch = data.batch(step + shift, micro, layout.dp_rank, layout.dp_size, t.micro_batch_size,
-                                   t.grad_accum_steps)
-                if count_real:
-                    interval_tokens += batch.pop("tokens")
-                ids = to_device(batch, device)
-                with meter.measure() if measure and micro == 0 else nullcontext():
-                    loss = engine(**sp.slice_batch(ids), loss_divisor=divisor).loss
-                engine.backward(loss)
-                engine.step()
-                loss_sum += loss.detach().float()
-        if probe:
-            probe.step_done(engine, {"aten_ops": ops.ops} if count_ops else None)
-        step_losses.append(loss_sum)
-        done = step + 1
-        bar.update(1)
-        if compiles is not None:  # host-side counters: no device sync
-            _report_compiles(compiles, step, done, start, t.max_steps, rank, bar, meter.bytes,
-                             _planned_activations(run))
-        agreed = agreement.step()  # signals any rank had by the end of the previous step
-        if not (is_boundary(done, t, every) or agreed or agreement.save_due):
-            continue
-
-        # --- boundary: one all-reduce, one host read
-        seconds = timer.stop()
-        counted = [interval_tokens * layout.dp_size / world] if count_real else []
-        stats = torch.cat([torch.stack(step_losses), torch.tensor(signals.one_hot() + counted, device=device)])
-        dist.all_reduce(stats)
-        values = stats.tolist()
-        # each replica's micro-step losses sum to its tokens' share of the step's token mean, times
-        # grad_accum * dp_size (Layout.loss_divisor); every rank of a TP/SP group holds its replica's value
-        losses = [v / (world * t.grad_accum_steps) for v in values[:len(step_losses)]]
-        stopped = agreed or signals.names(values[len(step_losses):len(values) - len(counted)])
-        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
-        if bad is not None:  # stop before anything saves it; the last checkpoint stays good
-            progress.step = interval_start + bad
-            raise RunFailed(nonfinite_loss_message(losses[bad], interval_start + bad + 1, t.max_steps, run_dir, t))
-        last_loss = losses[-1]
-        progress.step = done
-        steps = done - interval_start
-        real_per_step = values[-1] / steps if count_real else tokens_per_step
-        row = _interval_metrics(engine, sum(losses) / steps, seconds / steps, real_per_step, world,
-                                layout.dp_size * t.micro_batch_size * t.grad_accum_steps, flops_per_token,
-                                hardware_flops_per_token,
-                                peak_tflops, meter.bytes)
-        row.update(scaler_row(engine))
-        deadline.check(seconds / steps, rank)
-        if run.predicted_peak is not None:  # memtrain's prediction, beside the measured figures
-            row["memory/predicted_peak_gib"] = run.predicted_peak / GIB
-        if plan.memtrain_offload:  # host bytes that memtrain's cpu_checkpointing took off the device
-            row["memory/offloaded_activation_gib"] = meter.offloaded_bytes / GIB
-        if interval_start >= t.metric_warmup_steps or t.max_steps <= t.metric_warmup_steps:
-            history.append(row)
-            measured_steps += steps
-        else:  # warm-up: keep loss/lr/memory in TensorBoard, but no throughput figures
-            row = {k: v for k, v in row.items() if not k.startswith(("throughput/", "time/"))}
-        if eval_batches and eval_due(done, t) and not stopped:  # after the interval's clock stopped: not timed
-            last_eval = evaluate(engine, run.eval_data, sp, layout, eval_batches, t.micro_batch_size)
-            row = {**row, **last_eval.metrics()}  # a new row: the history keeps training's figures only
-            if compiles is not None:  # eval's no-grad forward compiles each layer once more: expected, not late
-                compiles.step_done(step, warmed_up=False)
-        engine.monitor.write_events([(tag, value, done) for tag, value in row.items()])
-        shown = {"loss": f"{last_loss:.3f}"}
-        if "throughput/tokens_per_s" in row:  # measured only after the warm-up: no made-up 0 before it
-            shown["tok_s"] = f"{row['throughput/tokens_per_s']:,.0f}"
-        if last_eval is not None:
-            shown["eval"] = f"{last_eval.loss:.3f}"
-        bar.set_postfix(**shown, act_gib=f"{row['memory/activation_gib']:.3f}")
-        step_losses, interval_start, interval_tokens = [], done, 0
-        if stopped:
-            stop_signal = signals.received() or stopped[0]  # for summary.json, on every rank
-            status = "preempted"
-            break
-        if t.save_checkpoints and done < t.max_steps and (
-                agreement.save_due or (t.save_interval and done % t.save_interval == 0)):
-            saving = time.monotonic()
-            _save_checked(engine, run_dir, done, t, layout, shift)
-            deadline.save_s = time.monotonic() - saving
-            agreement.saved()
-        reset_device_peak()
-        timer.start()
-    bar.close()
-    agreement.close()
-
-    return _Steps(start, done, status, stop_signal, last_loss, history, measured_steps, started, probe, compiles,
-                  last_eval, shift)
+def _prepare_run_dir(args: RunArgs, run_dir: RunDir, ds_config: dict, world: int, plan) -> list:
+    """Rank 0: `--overwrite` sets the earlier run aside (deleted once this run saved a model checkpoint), the
+    directory is made and config.json written. Returns a resumed run's earlier segments (config.json's history)."""
+    if args.overwrite:
+        run_dirs.set_aside(run_dir.path)
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    earlier = _earlier_segments(run_dir) if args.resume else []
+    _write_config(run_dir, args, ds_config, world, plan, earlier)
+    return earlier
 
 
-def _finish(run: _Run, steps: _Steps) -> dict:
-    """The last model checkpoint, final/ and summary.json, then the process group closed."""
-    import deepspeed.comm as dist
-
-    args, engine, layout, plan, world, rank = run.args, run.engine, run.layout, run.plan, run.world, run.rank
-    recipe, config, run_dir, memory_plan = args.recipe, run.checked.config, run.run_dir, run.memory_plan
-    t, device, probe, history = recipe.train, engine.device, steps.probe, steps.history
-    start, done, status, last_loss = steps.start, steps.done, steps.status, steps.last_loss
-    completed = done if status == "preempted" else t.max_steps
-    if t.save_checkpoints and completed > start:  # a stop during start-up trained nothing: nothing to save
-        _save_checked(engine, run_dir, completed, t, layout, steps.shift)
-    if t.save_checkpoints and status == "completed":  # final/: loads with transformers' from_pretrained
-        save_final(engine, engine.module, run_dir / "final", recipe, lambda: build_model(recipe.model, config))
-    summary = {
-        "status": status,
-        "steps": completed,
-        "stop_signal": steps.stop_signal,
-        "final_loss": last_loss,
-        "metrics": medians(history, 0),
-        "measured_steps": steps.measured_steps,
-        "world_size": world,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "elapsed_s": time.time() - steps.started,
-        "ac_plan": plan.to_dict(),
-        "run_dir": str(run_dir),
-        "tensorboard": str(run_dir / "tb"),
-    }
-    summary.update({k.partition("/")[2]: v for k, v in scaler_row(engine).items()})
-    summary["skipped_steps"] = int(summary["skipped_steps"])
-    if steps.last_eval is not None:  # the last eval of this segment (a resumed run's too)
-        summary.update(eval_loss=steps.last_eval.loss, eval_perplexity=steps.last_eval.perplexity,
-                       eval_tokens=steps.last_eval.tokens)
-    if run.predicted_peak is not None:
-        summary["predicted_peak_gib"] = run.predicted_peak / GIB
-    if device.type == "cuda":
-        summary["peak_allocated_gib"] = max((r["memory/peak_allocated_gib"] for r in history), default=0.0)
+def _plan_lines(args: RunArgs, checked, plan, memory_plan, compiled, data, agreement, world: int) -> list[str]:
+    """Rank 0's start lines: what a resume changes, the AC plan, the ZeRO-3 layout, the model, the compile choice,
+    the chat packing, the blend, policy auto's plan and the timed saves."""
+    recipe, t = args.recipe, args.recipe.train
+    lines = []
+    if args.resume_changes:  # --resume continues the run's saved inputs; what this launch changes of them
+        lines.append(f"resume overrides: {'; '.join(args.resume_changes)}")
+    lines += [plan.describe(), *(f"  {line}" for line in checked.zero3.lines), *checked.model_lines]
+    if compiled.line:
+        lines.append(compiled.line)
+    if isinstance(data, PackedChat):  # what was packed, how full the rows are, what was skipped and why
+        lines.append(report_line(data.report, recipe.data))
+    if recipe.data.sources:  # each source's tokens, share of the rows and epochs this run takes of it
+        dp = world // (tp_size(args.ds_config) * recipe.parallel.sequence)
+        lines.append(blend_plan_line(data, t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp))
     if memory_plan is not None:
-        summary["memory_plan"] = memory_plan.to_dict()
-    if steps.compiles is not None:
-        summary["compile"] = {"compiles": steps.compiles.compiles, "seconds": compile_seconds(),
-                              "recompiles_after_warmup": steps.compiles.late}
-    if probe is not None:
-        probe.__exit__(None, None, None)
-        summary["probe"] = {**summarize(probe.steps), "per_step": probe.steps}
-    skipped = skipped_warning(summary["skipped_steps"], completed - start)
-    if rank == 0:
-        checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-        run_dirs.finish_overwrite(run_dir)  # with train.save_checkpoints: false, nothing saved before
-        if skipped:
-            print(f"warning: {skipped}", flush=True)
-        if status == "preempted":  # stopped: the command that continues it (its inputs come from config.json)
-            then = f"; continue with: --resume --run-dir {run_dir}"
-        else:
-            then = f"; model: {run_dir / 'final'}" if (run_dir / "final").is_dir() else ""
-        held_out = "" if steps.last_eval is None else \
-            f", eval loss {steps.last_eval.loss:.4f} (perplexity {steps.last_eval.perplexity:.2f})"
-        print(f"{status}: {completed} steps, final loss {last_loss:.4f}{held_out}; "
-              f"TensorBoard logs: {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'}){then}", flush=True)
-    dist.barrier()
-    # Close the process group before the interpreter exits: left to interpreter shutdown, gloo's
-    # threads were seen to abort a finished rank ("terminate called without an active exception").
-    dist.destroy_process_group()
-    return summary
-
-
-COMPILE_WARMUP_STEPS = 2  # steps that may compile: the first forward and backward, and a graph-mode change
-
-
-def _planned_activations(run: _Run) -> Optional[int]:
-    prediction = run.memory_plan.prediction if run.memory_plan is not None else run.checked.prediction
-    return getattr(prediction, "saved_activations", None)
-
-
-def _report_compiles(compiles: CompileWatch, step: int, done: int, start: int, max_steps: int, rank: int, bar,
-                     measured: int, planned: Optional[int]) -> None:
-    """train.compile: a warning for each compile after the warm-up (with dynamo's reason), and the compile line
-    once the warm-up is over (with the measured activations against the plan's eager prediction)."""
-    lines = compiles.step_done(step, warmed_up=done > start + COMPILE_WARMUP_STEPS)
-    if rank != 0:
-        return
-    for line in lines:
-        bar.write(f"warning: {line}")
-    if done == min(start + COMPILE_WARMUP_STEPS, max_steps):
-        bar.write(compile_line(compiles, measured, planned))
-
-
-class StopDeadline:
-    """train.stop_deadline_s: warn (once, rank 0) when a stop, up to 2 steps and then a save, would outlast it.
-    Step time is measured after the metric warm-up; save time once a save ran (until then it is left out)."""
-
-    def __init__(self, deadline_s: Optional[float], warmup_steps: int) -> None:
-        self.deadline_s, self.warmup_steps = deadline_s, warmup_steps
-        self.save_s: Optional[float] = None
-        self.intervals = 0
-        self.warned = False
-
-    def check(self, step_s: float, rank: int) -> None:
-        self.intervals += 1
-        if self.deadline_s is None or self.warned or rank != 0 or self.intervals == 1 and self.warmup_steps:
-            return  # the first interval holds the warm-up steps
-        needed = 2 * step_s + (self.save_s or 0.0)
-        if needed > self.deadline_s:
-            self.warned = True
-            save = f" and a save ({self.save_s:.1f} s)" if self.save_s else " (a save not yet measured)"
-            print(f"warning: a stop signal may arrive {self.deadline_s:g} s before the job is killed "
-                  f"(train.stop_deadline_s), but stopping takes up to 2 steps (2 x {step_s:.1f} s){save} = "
-                  f"{needed:.0f} s: ask Slurm for a longer warning (sbatch --signal=B:USR1@SECONDS, and "
-                  "MEMTRAIN_SIGNAL_LEAD_S for slurm/train.sbatch) or save more often", flush=True)
+        lines.append(memory_plan.describe())
+    if agreement.save_every_s and t.save_checkpoints:  # what a requeue after a lost node resumes from
+        why = "train.save_every_minutes" if t.save_every_minutes else "a Slurm job's default"
+        lines.append(f"model checkpoints: every {agreement.save_every_s / 60:g} min of training ({why})"
+                     + (f", every {t.save_interval} steps" if t.save_interval else "") + ", on a stop signal and at the end")
+    return lines
 
 
 def _stopped_in_start_up(device, world: int) -> Optional[str]:
@@ -657,44 +577,6 @@ def _stopped_in_start_up(device, world: int) -> Optional[str]:
     if stopped and int(os.environ.get("RANK", 0)) == 0:
         print(f"preempted during start-up ({stopped[0]}): no step run, nothing saved", flush=True)
     return (signals.received() or stopped[0]) if stopped else None
-
-
-def _samples_per_step(t, layout) -> int:
-    """Global samples one optimizer step reads (memtrain.model.order)."""
-    return t.grad_accum_steps * t.micro_batch_size * layout.dp_size
-
-
-def _save_checked(engine, run_dir: Path, step: int, t, layout, shift: int) -> None:
-    """A model checkpoint of finite weights only (so "last good checkpoint" always names a usable one), and only
-    where it fits: the ranks agree on both before anyone writes, so a full disk is one line, not a torn save. The
-    manifest records the samples read, where a resume on another batch size continues."""
-    tp_size = layout.tp
-    import deepspeed.comm as dist
-
-    if not checkpoint.weights_finite(engine):
-        raise RunFailed(nonfinite_weights_message(step, t.max_steps, run_dir, t))
-    checkpoint_dir = run_dir / "checkpoints"
-    needed, how = checkpoint.space_needed(engine, checkpoint_dir, tp_size)
-    free = checkpoint.free_bytes(checkpoint_dir)
-    short = torch.tensor(float(free < needed), device=engine.device)
-    dist.all_reduce(short)  # any rank's filesystem (node-local storage) too small: all stop
-    if short.item():
-        raise RunFailed(disk_full_message(step, run_dir, needed, how, free))
-    try:
-        samples = (step + shift) * _samples_per_step(t, layout)
-        checkpoint.save(engine, checkpoint_dir, step, t.keep_last, tp_size, samples)
-    except (OSError, RuntimeError) as e:  # filled by someone else meanwhile: this rank cannot go on
-        if not checkpoint.is_disk_full(e):
-            raise
-        checkpoint.remove_partial(checkpoint_dir, step)
-        message = disk_full_message(step, run_dir, needed, how, checkpoint.free_bytes(checkpoint_dir))
-        if dist.get_world_size() == 1:
-            raise RunFailed(message) from None
-        # other ranks may wait in a collective of the save: report from this rank and leave (the launcher stops
-        # the rest), as an out-of-memory rank does
-        write_failure(RunPosition(dist.get_world_size(), dist.get_rank(), run_dir, step), "failed", message)
-        report_here(message)
-        os._exit(EXIT_RUN_FAILED)
 
 
 def _start_probe(engine):
@@ -744,7 +626,7 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
     return engine, longctx, layout, changed
 
 
-def _write_config(run_dir: Path, args: RunArgs, ds_config: dict, world: int, plan, earlier: list) -> None:
+def _write_config(run_dir: RunDir, args: RunArgs, ds_config: dict, world: int, plan, earlier: list) -> None:
     """config.json: the recipe and the resolved DeepSpeed JSON (every "auto" filled) this run segment uses, the JSON
     as written (what a `--resume` continues with: memtrain.config.saved_run), and each earlier segment's record."""
     record = {"recipe": args.recipe.model_dump(), "deepspeed": ds_config, "deepspeed_path": args.ds_config_path,
@@ -753,52 +635,16 @@ def _write_config(run_dir: Path, args: RunArgs, ds_config: dict, world: int, pla
     if args.resume:
         record["resume_changes"] = list(args.resume_changes)
     record["earlier_segments"] = earlier
-    checkpoint.atomic_write_text(run_dir / CONFIG_FILE, json.dumps(record, indent=2))
+    checkpoint.atomic_write_text(run_dir.config_file, json.dumps(record, indent=2))
 
 
-def _earlier_segments(run_dir: Path) -> list:
+def _earlier_segments(run_dir: RunDir) -> list:
     """A resumed run's config.json records, oldest first, before this segment's replaces it (a damaged one is none)."""
     try:
-        record = json.loads((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+        record = json.loads(run_dir.config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
     if not isinstance(record, dict):
         return []
     earlier = record.pop("earlier_segments", [])
     return (earlier if isinstance(earlier, list) else []) + [record]
-
-
-def _recompute_flops(config, seq_len: int, plan) -> Optional[float]:
-    """FLOPs per token the plan's recompute adds (memtrain.memory.flops' model of torch's checkpoint); None
-    where that model has no answer (module-pattern plans)."""
-    if plan.modules:
-        return None
-    try:
-        return recompute_flops_per_token(config, seq_len, tuple(plan.layers))
-    except ValueError:
-        return None
-
-
-def _interval_metrics(engine, loss, step_s, tokens_per_step, world, samples_per_step, flops_per_token,
-                      hardware_flops_per_token, peak_tflops, activation_bytes) -> dict[str, float]:
-    """One TensorBoard point per log interval: means over its steps, peaks over its steps."""
-    allocated, reserved = device_memory()
-    tokens_per_s = tokens_per_step / step_s
-    tflops = flops_per_token * tokens_per_step / world / step_s / 1e12
-    row = {
-        "train/loss": loss,
-        "train/lr": float(engine.get_lr()[0]),
-        "throughput/tokens_per_s": tokens_per_s,
-        "throughput/samples_per_s": samples_per_step / step_s,
-        "throughput/tflops_per_device": tflops,
-        "time/step_s": step_s,
-        "memory/peak_allocated_gib": allocated,
-        "memory/peak_reserved_gib": reserved,
-        "memory/activation_gib": activation_bytes / GIB,
-        "memory/host_rss_gib": host_rss_gib(),
-    }
-    if peak_tflops:  # MFU: model FLOPs only; HFU: with what the AC plan recomputes
-        row["throughput/mfu"] = tflops / peak_tflops
-        if hardware_flops_per_token is not None:
-            row["throughput/hfu"] = tflops * hardware_flops_per_token / flops_per_token / peak_tflops
-    return row

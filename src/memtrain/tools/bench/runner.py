@@ -19,6 +19,7 @@ from memtrain.config.ds_config import load_ds_config
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.bench.setups import parse_setup
 from memtrain.tools.sweep_points import free_port
+from memtrain.train.run_dir import RunDir
 
 TRAIN_PY = Path(__file__).resolve().parents[3] / "train.py"
 TIMED_OUT = "timed out"  # a set-up killed after its time limit: its error starts with this
@@ -93,7 +94,7 @@ class Runner:
         result = {"setup": name, "label": setup.label, "micro_batch": micro_batch or self.micro_batch,
                   "wall_s": time.time() - started}
         if setup.trainer:
-            result.update(_from_summary(out / "summary.json"))
+            result.update(_from_summary(RunDir(out).summary_file))
         elif Path(str(out) + ".json").is_file():
             result.update(json.loads(Path(str(out) + ".json").read_text()))
         if "tokens_per_s" in result or result.get("oom"):
