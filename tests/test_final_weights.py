@@ -1,6 +1,7 @@
-"""final/'s weights streamed shard by shard (memtrain.train.final_weights), on 2 gloo ranks in-process-light
-workers: a disk too slow to write the whole model within the collective timeout still ends with both ranks done,
-rank 0 never held the whole model, and transformers loads exactly the model that was streamed."""
+"""final/'s weights streamed shard by shard (memtrain.train.final_weights) on 2 gloo ranks (two small worker
+processes, torch's own process group, no DeepSpeed engine): a disk too slow to write the whole model within the
+collective timeout still ends with both ranks done, rank 0 never held the whole model, and transformers loads exactly
+the model that was streamed."""
 import subprocess
 import sys
 from pathlib import Path
