@@ -175,3 +175,19 @@ def test_a_resume_on_another_batch_continues_at_the_samples_read():
                                   for m in range(accum) for r in range(world)])
             assert sorted(got) == sorted(order.rows(n, seed, first, per_step))
     assert order.resumed_shift(3, 24, 20) is None
+
+
+@pytest.mark.parametrize("tp, sequence, which", [(2, 1, "tensor_parallel.autotp_size 2"),
+                                                  (1, 2, "parallel.sequence 2")])
+def test_tensor_or_sequence_parallel_on_another_world_is_one_line(tmp_path, tp, sequence, which):
+    """A checkpoint of 4 ranks resumed on 8 with AutoTP or Ulysses: one line naming the key, the ranks to relaunch
+    with (Ulysses: and the export route), before any worker (the preflight's reshard.check); the same world passes it."""
+    recipe = parse_args([*ARGS, "--set", f"parallel.sequence={sequence}"]).recipe
+    stage3 = json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text())
+    ds_config = {**stage3, "tensor_parallel": {"autotp_size": tp}}
+    with pytest.raises(UserError) as refused:
+        reshard.check(tmp_path / tag_for(3), 4, 8, recipe, ds_config)
+    line = str(refused.value)
+    assert "\n" not in line and f"({which}: " in line and "relaunch with 4" in line
+    assert ("memtrain export RUN --step N" in line and "model.pretrained" in line) == (sequence > 1)  # TP: untested
+    reshard.check(tmp_path / tag_for(3), 4, 4, recipe, ds_config)  # no world change: nothing to refuse

@@ -178,13 +178,18 @@ def test_make_trains_launch_stops_cleanly(tmp_path, to, stop):
     """make train's launcher (memtrain.train.launch), right after step 4's optimizer step: Ctrl-C (SIGINT to the
     launch's whole process group), or SIGTERM to the launcher's own process alone (which it passes on to the ranks).
     Every rank saves by step 6 and exits, no process of the launch remains, nothing prints a traceback (DeepSpeed's
-    runner printed a KeyboardInterrupt one), and the exit code names the signal."""
+    runner printed a KeyboardInterrupt one), and the exit code names the signal. The Ctrl-C case goes through
+    DeepSpeed's runner and launch.py (CUDA_VISIBLE_DEVICES set), the SIGTERM case through the launcher's own start
+    of CPU ranks (memtrain.train.local_launch)."""
     from conftest import _engine_step_hook_env
 
     run = tmp_path / "run"
     send = {"group": f"os.killpg(os.getpgid(0), signal.{stop})",  # as a terminal's Ctrl-C: every process of the group
-            "launcher": f"import psutil; os.kill(psutil.Process(os.getppid()).ppid(), signal.{stop})"}[to]
+            "launcher": "import psutil; os.kill(next(p.pid for p in psutil.Process().parents() if "
+                        f"'memtrain.train.launch' in p.cmdline()), signal.{stop})"}[to]
     env = _engine_step_hook_env(tmp_path, to, 4, f"if os.environ.get('RANK') == '0':\n    {send}")
+    if to == "group":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a device list of the user's: DeepSpeed's runner starts the ranks
     proc, out, err = _stopped_launch([sys.executable, "-m", "memtrain.train.launch"], run, env, stop)
     assert proc.returncode == 128 + getattr(signal, stop), err[-3000:]
 

@@ -1,9 +1,8 @@
 """`final/` at the end of a run: the trained model as a transformers directory, with its tokenizer.
 
-Written with `save_pretrained` (safetensors), so that `AutoModelForCausalLM.from_pretrained(final)` loads
-it with no DeepSpeed. Under ZeRO-3 or AutoTP DeepSpeed's own consolidation gathers one layer at a time,
-ZeRO partitions and tensor-parallel shards alike, to rank 0's host memory (as `save_16bit_model` and
-accelerate do), in the engine's compute dtype. A LoRA run (memtrain.model.lora) writes the merged model
+In transformers' layout (safetensors), so that `AutoModelForCausalLM.from_pretrained(final)` loads it with no
+DeepSpeed. The weights are gathered one module at a time, ZeRO partitions and tensor-parallel shards alike, in the
+engine's compute dtype, and rank 0 writes them shard by shard as they arrive (memtrain.train.final_weights). A LoRA run (memtrain.model.lora) writes the merged model
 and, in `final/adapter/`, the adapters alone. `python -m memtrain export` writes the same from a saved
 model checkpoint (memtrain.tools.export).
 
@@ -76,27 +75,34 @@ def make_servable(out: Path, data) -> None:
 
 
 def save_final(engine, model, out: Path, recipe, model_factory: Callable) -> None:
-    """End of a run, on every rank: rank 0 writes `out`."""
+    """End of a run, on every rank: rank 0 writes `out`. The weights stream to disk as they are gathered
+    (memtrain.train.final_weights: one shard in host memory, no rank waiting past the collective timeout); a LoRA
+    run's merge needs the whole state dict, gathered by DeepSpeed's consolidation to rank 0's host memory first."""
     import deepspeed.comm as dist
 
+    if recipe.model.lora is None:
+        from transformers.utils import logging as hf_logging
+
+        from memtrain.train.final_weights import stream_weights, write_config
+
+        stream_weights(model, out, recipe.train.collective_timeout_s, engine.device)
+        if dist.get_rank() == 0:
+            hf_logging.disable_progress_bar()
+            try:
+                write_config(model, out)
+            finally:
+                hf_logging.enable_progress_bar()
+            save_tokenizer(recipe.data.tokenizer, out)
+            make_servable(out, recipe.data)
+        dist.barrier()
+        return
     if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
         state = engine._consolidated_16bit_state_dict()  # every rank takes part; None off rank 0
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()} if dist.get_rank() == 0 else None
     if dist.get_rank() == 0:
-        if recipe.model.lora is None:  # the trained module itself writes its config and weights
-            from transformers.utils import logging as hf_logging
+        from memtrain.model.freeze import saved_with_adapters
 
-            hf_logging.disable_progress_bar()
-            try:
-                model.save_pretrained(out, state_dict=state, safe_serialization=True)
-            finally:
-                hf_logging.enable_progress_bar()
-            save_tokenizer(recipe.data.tokenizer, out)
-            make_servable(out, recipe.data)
-        else:
-            from memtrain.model.freeze import saved_with_adapters
-
-            write_model(model_factory, recipe, state, out, saved_with_adapters(
-                model, recipe.model.lora, recipe.train.trainable, recipe.train.frozen))
+        write_model(model_factory, recipe, state, out, saved_with_adapters(
+            model, recipe.model.lora, recipe.train.trainable, recipe.train.frozen))
     dist.barrier()

@@ -1,5 +1,6 @@
 """`make train`'s launcher: DeepSpeed's `deepspeed` runner, run unchanged in this process, with a stop signal passed on
 to the ranks and their clean stop waited for (`python -m memtrain.train.launch <deepspeed's flags> src/train.py ...`).
+On a machine without a GPU, make train's own line starts the ranks here instead (memtrain.train.local_launch).
 
 DeepSpeed's runner sets no signal handler on one node: Ctrl-C ended it with a KeyboardInterrupt traceback while the
 ranks below it were still saving, and a SIGTERM to it alone reached no rank (they notice its end instead:
@@ -36,6 +37,14 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     for sig in STOPS:  # first: a stop during the imports below ends this launch before it starts any rank
         signal.signal(sig, pass_on)
+    from memtrain.train import local_launch
+
+    local = local_launch.parse(sys.argv[1:] if argv is None else argv)
+    if local is not None and local_launch.applies():  # CPU ranks on this machine: started here, no torch imported
+        if stopped:
+            sys.exit(128 + stopped[0])
+        code = local_launch.wait(local_launch.start(local))
+        quick_exit(128 + stopped[0] if stopped else code)
     from memtrain.errors import name_cpu_accelerator
 
     name_cpu_accelerator()
@@ -52,10 +61,17 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def _ranks() -> list:
-    """The processes below launch.py: the ranks (and what they started)."""
+    """The ranks (and what they started): below DeepSpeed's launch.py, which is left alone, or this process's own."""
     import psutil
 
-    return [p for child in psutil.Process().children() for p in child.children(recursive=True)]
+    procs = []
+    for child in psutil.Process().children():
+        try:
+            below_launch = "deepspeed.launcher.launch" in child.cmdline()
+        except psutil.Error:  # it has ended already
+            continue
+        procs += child.children(recursive=True) if below_launch else [child, *child.children(recursive=True)]
+    return procs
 
 
 if __name__ == "__main__":

@@ -51,13 +51,22 @@ def _check_world(step_dir: Path, saved_world: int, world: int, tp: int, sequence
                         f"format, which memtrain does for ZeRO stage 3 only (zero_optimization.stage is {stage}): "
                         f"relaunch with {saved_world}")
     if tp > 1 or sequence > 1:
-        which = f"tensor_parallel.autotp_size {tp}" if tp > 1 else f"parallel.sequence {sequence}"
+        export = "" if tp > 1 else (", or export the step (python -m memtrain export RUN --step N) and start a new "
+                                    "run from it with model.pretrained (the weights, not the optimizer's moments)")
         raise UserError(f"{said}; a resume on another world size is supported without tensor or sequence "
-                        f"parallelism only ({which}: DeepSpeed's universal loading of those shards is untested "
-                        f"here): relaunch with {saved_world}")
+                        f"parallelism only ({_unverified(tp, sequence)}): relaunch with {saved_world}{export}")
     if checkpoint.saved_samples(step_dir) is None:
         raise UserError(f"{said}; it was saved before memtrain recorded the samples read (manifest.json 'samples'), "
                         f"so where the data continues on another world is unknown: relaunch with {saved_world}")
+
+
+def _unverified(tp: int, sequence: int) -> str:
+    """Why a world change with tensor or sequence parallelism is refused, for the refusal's line."""
+    if tp > 1:
+        return (f"tensor_parallel.autotp_size {tp}: DeepSpeed's ds_to_universal merges AutoTP slices and its ZeRO-3 "
+                "universal loading slices them again, but memtrain has not checked that against a straight run")
+    return (f"parallel.sequence {sequence}: Ulysses' ZeRO partitions span the sequence-parallel ranks, and the "
+            "conversion and the data position of such a checkpoint are not checked against a straight run")
 
 
 @dataclass(frozen=True)
