@@ -198,7 +198,8 @@ def test_written_plan_validates_and_its_memory_is_make_plans(tmp_path):
 
 def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
     """Every scored configuration's per-layer plan takes as little time as a fresh solve of its own limit
-    (the search reuses solves across ZeRO variants), and fits."""
+    (the search reuses solves across ZeRO variants), and fits; and as little as the fastest of every plan that
+    fits (exhaustive, through the memory model alone: the solver's pruning and the search's memos change nothing)."""
     from memtrain.config.ds_config import load_ds_config
     from memtrain.memory.planner import activation_limit, choice_seconds, solve
     from memtrain.memory.search import search
@@ -207,7 +208,7 @@ def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
     ds["zero_optimization"].update(reduce_bucket_size=1e5, stage3_prefetch_bucket_size=1e5)  # buckets that fit
     result = search(_tiny(), ds, _hardware(tmp_path, **{"gpu.memory": "0.006GiB"}), 1, 64 * 8 * 8,
                     micro_batches=(1, 2, 4, 8), exact_top=3)
-    solved = 0
+    solved, walks = 0, {}
     for x in result.scored:
         fam = x.family
         profile = fam.profile if x.exact else fam.profile.scaled(x.config.micro_batch)
@@ -219,7 +220,32 @@ def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
         solved += 1
         assert fresh is not None and x.peak <= result.budget
         assert sum(seconds[c] for c in x.layers) == pytest.approx(sum(seconds[c] for c in fresh), rel=1e-12, abs=1e-15)
+        best = _fastest_of_every_plan(profile, x.states, fam.choices, seconds, result.budget,
+                                      walks.setdefault((fam.tp, fam.sp, fam.activation_offload, x.exact), {}))
+        assert sum(seconds[c] for c in x.layers) == pytest.approx(best, rel=1e-12, abs=1e-15), x.config.label()
     assert solved > 10
+
+
+def _fastest_of_every_plan(profile, states, choices, seconds, budget, walks: dict) -> float:
+    """The least time of every per-layer plan (the last layer not offloaded) whose peak under the memory model
+    (memtrain.memory.predict, no solver) fits `budget`: the exhaustive answer the pruned, memoized search must
+    match. `walks` caches the family's activation peaks per (micro-batch, reduce buffers, plan)."""
+    import itertools
+
+    from memtrain.memory.predict import predict
+
+    best = float("inf")
+    for plan in itertools.product(choices, repeat=profile.num_layers):
+        if plan[-1].offload:
+            continue
+        key = (profile.target.micro_batch_size, states.backward, plan)
+        if key not in walks:
+            pred = predict(profile, states, plan)
+            walks[key] = (pred.activation_peak + pred.reduce_buffers, pred.margin)
+        act, margin = walks[key]
+        if states.total + max(act, states.update) + margin <= budget:
+            best = min(best, sum(seconds[c] for c in plan))
+    return best
 
 
 def test_ulysses_buffers_in_the_sp_profile():
