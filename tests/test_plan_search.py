@@ -335,3 +335,50 @@ def test_faster_links_are_never_slower_and_one_rank_talks_to_no_one(tmp_path):
     alone = step_time(slow, Layout(1, 8), step_collectives(shape, 3, 2, Layout(1, 8), 512, ("keep",) * 4),
                       1e9, 0.0, 4, 0.0).terms
     assert alone["zero_comm"] == alone["tp_comm"] == alone["sp_comm"] == 0.0
+
+
+def test_verify_picks_writes_runnable_sweeps_and_kendall_tau(tmp_path, monkeypatch):
+    """--verify's parts without launching: the top K and seeded random others are picked; each becomes a one-point
+    sweep the sweep runner loads, whose recipe and JSON are the configuration's; Kendall's tau-b equals the
+    textbook formula from tie-group counts (an independent computation) on lists with ties."""
+    import itertools
+    import random
+    from collections import Counter
+
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory.search import search
+    from memtrain.tools.plan_verify import kendall_tau, pick, write_points
+    from memtrain.tools.sweep_points import load_sweep, train_args
+
+    result = search(_tiny(), load_ds_config(DS), _hardware(tmp_path, **{"gpu.memory": "0.5GiB"}), 1, 64 * 8 * 8,
+                    micro_batches=(2, 8), exact_top=3)
+    picks = pick(result.scored, 2, extra=3, seed=1)
+    assert picks[:2] == [0, 1] and len(set(picks)) == 5 and all(i < len(result.scored) for i in picks)
+    assert picks == pick(result.scored, 2, extra=3, seed=1)
+    monkeypatch.chdir(tmp_path)
+    for i, path in write_points(result, _tiny(), picks, tmp_path / "plan", steps=4):
+        sweep = load_sweep(path)
+        (point,) = sweep.points
+        args = train_args(sweep, point)
+        assert sweep.spec.launcher.gpus_per_run == result.world and "train.max_steps=4" in args
+        written = load_recipe(sweep.spec.recipe)
+        c = result.scored[i].config
+        assert (written.train.micro_batch_size, written.train.grad_accum_steps, written.parallel.sequence) == (
+            c.micro_batch, c.grad_accum, c.sp)
+        assert load_ds_config(sweep.spec.deepspeed)["zero_optimization"]["stage"] == c.zero_stage
+
+    def tau_b(xs, ys):
+        n0 = len(xs) * (len(xs) - 1) / 2
+        tied = lambda v: sum(t * (t - 1) / 2 for t in Counter(v).values())  # noqa: E731
+        d = sum(1 for (x1, y1), (x2, y2) in itertools.combinations(zip(xs, ys), 2)
+                if (x1 - x2) * (y1 - y2) < 0)
+        c = sum(1 for (x1, y1), (x2, y2) in itertools.combinations(zip(xs, ys), 2) if (x1 - x2) * (y1 - y2) > 0)
+        return (c - d) / ((n0 - tied(xs)) * (n0 - tied(ys))) ** 0.5
+
+    rng = random.Random(0)
+    for _ in range(50):
+        xs = [rng.randint(0, 5) for _ in range(9)]
+        ys = [rng.randint(0, 5) for _ in range(9)]
+        assert kendall_tau(xs, ys) == pytest.approx(tau_b(xs, ys), abs=1e-12)
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
