@@ -92,7 +92,10 @@ def test_collective_volumes_equal_a_hand_count():
     # recompute re-gathers nothing (leaf layers); a forward kept to the backward gathers once
     assert total(step_collectives(shape, 3, 2, Layout(4, 8), B * S, ("full",) * L), "all_gather", "zero") == 4 * n
     assert total(step_collectives(shape, 3, 2, Layout(4, 8), B * S, ("keep",) * L, 1), "all_gather", "zero") == 2 * n
+    z1 = step_collectives(shape, 1, 2, Layout(4, 8), B * S, ("keep",) * L)
+    assert [c.phase for c in z1] == ["step", "step"]  # ZeRO-1 reduces at the accumulation boundary only
     z2 = step_collectives(shape, 2, 2, Layout(4, 8), B * S, ("keep",) * L)
+    assert [c.phase for c in z2] == ["micro", "step"]
     assert total(z2, "reduce_scatter", "zero") == 2 * n and total(z2, "all_gather", "zero") == 2 * n
     assert total(step_collectives(shape, 0, 2, Layout(4, 8), B * S, ("keep",) * L), "all_reduce", "zero") == 2 * n
     assert step_collectives(shape, 3, 2, Layout(1, 8), B * S, ("keep",) * L) == []  # a world of one talks to no one
