@@ -54,6 +54,40 @@ def all_cpu_storages() -> dict[int, int]:
     return storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu")
 
 
+COLLECTIVES = {"on": False, "gather": 0, "reduce": 0, "other": 0}  # tensor bytes on torch.distributed's collectives
+
+
+def count_collectives() -> None:
+    """Count the tensor bytes of every collective DeepSpeed calls (an all-gather's output, a reduction's input)
+    while COLLECTIVES["on"]; one- or two-element calls (flags, norms) are left out."""
+    import torch.distributed as tdist
+
+    kinds = {"all_gather_into_tensor": "gather", "_all_gather_base": "gather", "all_gather": "gather",
+             "all_reduce": "reduce", "reduce": "reduce", "reduce_scatter_tensor": "reduce",
+             "_reduce_scatter_base": "reduce", "reduce_scatter": "reduce", "broadcast": "other",
+             "all_to_all_single": "other"}
+    for name, kind in kinds.items():
+        fn = getattr(tdist, name, None)
+        if fn is None:
+            continue
+
+        def counted(*args, fn=fn, name=name, kind=kind, **kwargs):
+            if COLLECTIVES["on"]:
+                given = [*args, *kwargs.values()]
+                tensors = [a for a in given if isinstance(a, torch.Tensor)]
+                lists = [a for a in given if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+                if lists:  # all_gather, reduce_scatter: the list's tensors
+                    t, tensor_bytes = lists[0][0], sum(x.numel() * x.element_size() for x in lists[0])
+                else:  # an all-gather's output and a reduce-scatter's input are the larger of the two
+                    t = max(tensors, key=torch.Tensor.numel)
+                    tensor_bytes = t.numel() * t.element_size()
+                if tensor_bytes > 2 * t.element_size():
+                    COLLECTIVES[kind] += tensor_bytes
+            return fn(*args, **kwargs)
+
+        setattr(tdist, name, counted)
+
+
 def main() -> None:
     import deepspeed
     import deepspeed.comm as dist
@@ -68,6 +102,7 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]  # the launcher adds --local_rank
     out_dir, cases = Path(args[0]), args[1:]
     _skip_shm_comm_op()
+    count_collectives()  # before DeepSpeed's backend keeps its own references to the functions
     deepspeed.init_distributed(verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
@@ -132,13 +167,19 @@ def main() -> None:
             seen["gathered"] = 0
             hooks = [m.register_forward_pre_hook(sample) for m in model.modules()]  # after DeepSpeed's fetch
         for step in range(2):
+            # one optimizer step's collectives, after the first forward (DeepSpeed traces ZeRO-3's order then):
+            # the first step's update, then the second forward and backward
+            COLLECTIVES["on"] = step == 1
             loss = engine(input_ids=ids, labels=ids).loss
             seen["backward"] = True
             engine.backward(loss)
             seen["backward"] = False
             del loss
             if step == 0:
+                COLLECTIVES.update(on=True, gather=0, reduce=0, other=0)
                 engine.step()
+        COLLECTIVES["on"] = False
+        counted_step = {k: COLLECTIVES[k] for k in ("gather", "reduce", "other")}
         if stage == 3:
             for h in hooks:
                 h.remove()
@@ -197,11 +238,34 @@ def main() -> None:
         states = mm.model_states(mm.profile_activations(config, target, ("keep",)), cfg, target)
         results[case] = {"measured": measured, "predicted": {k: getattr(states, k) for k in (
             "params", "grads", "optimizer", "buckets", "persistent", "gathered", "update", "host",
-            "reduce_buckets", "reduce_scratch")}}
+            "reduce_buckets", "reduce_scratch")},
+            "collectives": {"measured": counted_step, "predicted": predicted_collectives(config, cfg, target, stage)}}
         del engine, model, opt, inner, params, opt_params, terms, counted
         gatherable = None
         gc.collect()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def predicted_collectives(config, cfg: dict, target, stage: int) -> dict:
+    """Tensor bytes of one optimizer step (gradient accumulation 1) by memtrain.memory.comm_volume, from the
+    memory model's parameter counts (memtrain.memory.score.model_shape, as the search scores them)."""
+    from memtrain.config.zero3 import resident
+    from memtrain.memory import estimate as mm
+    from memtrain.memory.comm_volume import Layout, zero_collectives
+    from memtrain.memory.score import model_shape
+    from memtrain.memory.states import keeps_gathered, persistent_elements, zero_config
+
+    profile = mm.profile_activations(config, target, ("keep",))
+    zero = zero_config(cfg)
+    layout = Layout(target.world_size, target.world_size)
+    persistent = persistent_elements(profile, zero) if stage == 3 else 0
+    shape = model_shape(config, profile, target, persistent)
+    gathers = 1 if keeps_gathered(zero, profile.num_params, layout.zero) else 2
+    out = {"gather": 0, "reduce": 0, "other": 0}
+    elem = torch.empty(0, dtype=getattr(torch, target.dtype)).element_size()
+    for c in zero_collectives(shape, stage, elem, layout, gathers, resident(cfg, layout.zero)):
+        out["gather" if c.kind == "all_gather" else "reduce"] += int(c.bytes)
+    return out
 
 
 if __name__ == "__main__":

@@ -92,7 +92,10 @@ def test_collective_volumes_equal_a_hand_count():
     # recompute re-gathers nothing (leaf layers); a forward kept to the backward gathers once
     assert total(step_collectives(shape, 3, 2, Layout(4, 8), B * S, ("full",) * L), "all_gather", "zero") == 4 * n
     assert total(step_collectives(shape, 3, 2, Layout(4, 8), B * S, ("keep",) * L, 1), "all_gather", "zero") == 2 * n
+    z1 = step_collectives(shape, 1, 2, Layout(4, 8), B * S, ("keep",) * L)
+    assert [c.phase for c in z1] == ["step", "step"]  # ZeRO-1 reduces at the accumulation boundary only
     z2 = step_collectives(shape, 2, 2, Layout(4, 8), B * S, ("keep",) * L)
+    assert [c.phase for c in z2] == ["micro", "step"]
     assert total(z2, "reduce_scatter", "zero") == 2 * n and total(z2, "all_gather", "zero") == 2 * n
     assert total(step_collectives(shape, 0, 2, Layout(4, 8), B * S, ("keep",) * L), "all_reduce", "zero") == 2 * n
     assert step_collectives(shape, 3, 2, Layout(1, 8), B * S, ("keep",) * L) == []  # a world of one talks to no one
@@ -198,7 +201,8 @@ def test_written_plan_validates_and_its_memory_is_make_plans(tmp_path):
 
 def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
     """Every scored configuration's per-layer plan takes as little time as a fresh solve of its own limit
-    (the search reuses solves across ZeRO variants), and fits."""
+    (the search reuses solves across ZeRO variants), and fits; and as little as the fastest of every plan that
+    fits (exhaustive, through the memory model alone: the solver's pruning and the search's memos change nothing)."""
     from memtrain.config.ds_config import load_ds_config
     from memtrain.memory.planner import activation_limit, choice_seconds, solve
     from memtrain.memory.search import search
@@ -207,7 +211,7 @@ def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
     ds["zero_optimization"].update(reduce_bucket_size=1e5, stage3_prefetch_bucket_size=1e5)  # buckets that fit
     result = search(_tiny(), ds, _hardware(tmp_path, **{"gpu.memory": "0.006GiB"}), 1, 64 * 8 * 8,
                     micro_batches=(1, 2, 4, 8), exact_top=3)
-    solved = 0
+    solved, walks = 0, {}
     for x in result.scored:
         fam = x.family
         profile = fam.profile if x.exact else fam.profile.scaled(x.config.micro_batch)
@@ -219,7 +223,32 @@ def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
         solved += 1
         assert fresh is not None and x.peak <= result.budget
         assert sum(seconds[c] for c in x.layers) == pytest.approx(sum(seconds[c] for c in fresh), rel=1e-12, abs=1e-15)
+        best = _fastest_of_every_plan(profile, x.states, fam.choices, seconds, result.budget,
+                                      walks.setdefault((fam.tp, fam.sp, fam.activation_offload, x.exact), {}))
+        assert sum(seconds[c] for c in x.layers) == pytest.approx(best, rel=1e-12, abs=1e-15), x.config.label()
     assert solved > 10
+
+
+def _fastest_of_every_plan(profile, states, choices, seconds, budget, walks: dict) -> float:
+    """The least time of every per-layer plan (the last layer not offloaded) whose peak under the memory model
+    (memtrain.memory.predict, no solver) fits `budget`: the exhaustive answer the pruned, memoized search must
+    match. `walks` caches the family's activation peaks per (micro-batch, reduce buffers, plan)."""
+    import itertools
+
+    from memtrain.memory.predict import predict
+
+    best = float("inf")
+    for plan in itertools.product(choices, repeat=profile.num_layers):
+        if plan[-1].offload:
+            continue
+        key = (profile.target.micro_batch_size, states.backward, plan)
+        if key not in walks:
+            pred = predict(profile, states, plan)
+            walks[key] = (pred.activation_peak + pred.reduce_buffers, pred.margin)
+        act, margin = walks[key]
+        if states.total + max(act, states.update) + margin <= budget:
+            best = min(best, sum(seconds[c] for c in plan))
+    return best
 
 
 def test_ulysses_buffers_in_the_sp_profile():
@@ -309,3 +338,50 @@ def test_faster_links_are_never_slower_and_one_rank_talks_to_no_one(tmp_path):
     alone = step_time(slow, Layout(1, 8), step_collectives(shape, 3, 2, Layout(1, 8), 512, ("keep",) * 4),
                       1e9, 0.0, 4, 0.0).terms
     assert alone["zero_comm"] == alone["tp_comm"] == alone["sp_comm"] == 0.0
+
+
+def test_verify_picks_writes_runnable_sweeps_and_kendall_tau(tmp_path, monkeypatch):
+    """--verify's parts without launching: the top K and seeded random others are picked; each becomes a one-point
+    sweep the sweep runner loads, whose recipe and JSON are the configuration's; Kendall's tau-b equals the
+    textbook formula from tie-group counts (an independent computation) on lists with ties."""
+    import itertools
+    import random
+    from collections import Counter
+
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory.search import search
+    from memtrain.tools.plan_verify import kendall_tau, pick, write_points
+    from memtrain.tools.sweep_points import load_sweep, train_args
+
+    result = search(_tiny(), load_ds_config(DS), _hardware(tmp_path, **{"gpu.memory": "0.5GiB"}), 1, 64 * 8 * 8,
+                    micro_batches=(2, 8), exact_top=3)
+    picks = pick(result.scored, 2, extra=3, seed=1)
+    assert picks[:2] == [0, 1] and len(set(picks)) == 5 and all(i < len(result.scored) for i in picks)
+    assert picks == pick(result.scored, 2, extra=3, seed=1)
+    monkeypatch.chdir(tmp_path)
+    for i, path in write_points(result, _tiny(), picks, tmp_path / "plan", steps=4):
+        sweep = load_sweep(path)
+        (point,) = sweep.points
+        args = train_args(sweep, point)
+        assert sweep.spec.launcher.gpus_per_run == result.world and "train.max_steps=4" in args
+        written = load_recipe(sweep.spec.recipe)
+        c = result.scored[i].config
+        assert (written.train.micro_batch_size, written.train.grad_accum_steps, written.parallel.sequence) == (
+            c.micro_batch, c.grad_accum, c.sp)
+        assert load_ds_config(sweep.spec.deepspeed)["zero_optimization"]["stage"] == c.zero_stage
+
+    def tau_b(xs, ys):
+        n0 = len(xs) * (len(xs) - 1) / 2
+        tied = lambda v: sum(t * (t - 1) / 2 for t in Counter(v).values())  # noqa: E731
+        d = sum(1 for (x1, y1), (x2, y2) in itertools.combinations(zip(xs, ys), 2)
+                if (x1 - x2) * (y1 - y2) < 0)
+        c = sum(1 for (x1, y1), (x2, y2) in itertools.combinations(zip(xs, ys), 2) if (x1 - x2) * (y1 - y2) > 0)
+        return (c - d) / ((n0 - tied(xs)) * (n0 - tied(ys))) ** 0.5
+
+    rng = random.Random(0)
+    for _ in range(50):
+        xs = [rng.randint(0, 5) for _ in range(9)]
+        ys = [rng.randint(0, 5) for _ in range(9)]
+        assert kendall_tau(xs, ys) == pytest.approx(tau_b(xs, ys), abs=1e-12)
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)

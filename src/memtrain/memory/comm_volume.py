@@ -9,8 +9,11 @@ Per micro-step (each of the gradient-accumulation steps) and per optimizer step,
   parameters), the forward's gather stays until the backward: one gather per micro-step (the rule
   memtrain.memory.states measured). Then a reduce-scatter of the trained gradients. No gather at
   all where nothing is sharded (one data-parallel rank: memtrain.config.zero3.resident).
-* ZeRO-1/2: a reduce-scatter of the gradients every micro-step (overlap_comm reduces in the
-  gradient hooks), and an all-gather of the updated parameters once per step.
+* ZeRO-2: a reduce-scatter of the gradients every micro-step (overlap_comm reduces in the
+  gradient hooks), and an all-gather of the updated parameters once per step. ZeRO-1 reduces its
+  gradients once per step, at the accumulation boundary (counted on DeepSpeed 0.19.8's collectives,
+  2 gloo ranks, gradient accumulation 2: one gradient's bytes per step under ZeRO-1, two under ZeRO-2).
+  The all-gather moves the trained parameters only: frozen ones stay whole on every rank.
 * ZeRO-0: an all-reduce of the gradients once per step (at the accumulation boundary).
 * AutoTP: 2 all-reduces of (micro-batch x tokens x hidden) per layer forward (attention and MLP
   outputs) and 2 in the backward (their inputs' gradients); a recomputed forward repeats those it
@@ -108,8 +111,9 @@ def zero_collectives(shape: ModelShape, stage: int, elem: int, layout: Layout, g
                               "ZeRO-3 gradient reduce-scatter"))
         return out
     if stage in (1, 2):
-        return [Collective("reduce_scatter", "zero", elem * shape.trained, units, MICRO, f"ZeRO-{stage} gradient reduction"),
-                Collective("all_gather", "zero", elem * shape.params, 1, STEP, f"ZeRO-{stage} updated parameters")]
+        return [Collective("reduce_scatter", "zero", elem * shape.trained, units, MICRO if stage == 2 else STEP,
+                           f"ZeRO-{stage} gradient reduction"),
+                Collective("all_gather", "zero", elem * shape.trained, 1, STEP, f"ZeRO-{stage} updated parameters")]
     return [Collective("all_reduce", "zero", elem * shape.trained, units, STEP, "ZeRO-0 gradient all-reduce")]
 
 

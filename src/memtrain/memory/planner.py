@@ -26,6 +26,8 @@ import copy
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from memtrain.config.recompute_spec import RecomputeSpec
 from memtrain.recompute.policy import ACPlan, build_plan
 from memtrain.errors import UserError
@@ -89,50 +91,76 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[Laye
     forward). Exact within each such key: only states worse in both bytes and time are dropped.
     `backward_extra` (ZeRO-1/2 reduce buffers) adds to every backward-phase constraint. The
     prefetch term is counted for a kept layer as well (exact when a checkpointed layer lies above it).
+    Each layer's front is expanded by every choice at once (numpy), and a state whose bytes cannot fit
+    the last constraint even with the least-resident choice for every later layer is dropped early.
     """
     n = num_layers or profile.num_layers
     depth, inp = _prefetch_unit(profile, choices)
-    side_stream = profile.target.device == "cuda"
-    foot = {c: layer_footprint(profile, c) for c in choices}
+    side = inp if profile.target.device == "cuda" else 0
+    if profile.base + profile.head_net + profile.tail_excess + backward_extra > activation_limit:
+        return None  # the loss's tail alone does not fit, whatever the layers do
+    terms = np.array([_footprint_terms(profile, c, backward_extra) for c in choices], dtype=np.int64).reshape(-1, 3)
+    resident, fwd, bwd = terms[:, 0], terms[:, 1], terms[:, 0] + terms[:, 2]
+    offload = np.array([c.offload for c in choices], dtype=np.int64)
+    secs = np.array([seconds[c] for c in choices], dtype=np.float64)
     # last layer: no offload (the backward needs its input first, before any copy back could overlap)
-    last_choices = tuple(c for c in choices if not c.offload)
-    # states: (prefix bytes, seconds, back-pointer, offloaded layers below (capped), last layer offloaded)
-    front = [(profile.base, 0.0, None, 0, False)]
-    history = []
+    every, last = np.arange(len(choices)), np.flatnonzero(offload == 0)
+    least = int(resident.min())  # a later layer leaves at least this alive
+    final_room = activation_limit - profile.head_excess - backward_extra  # what the last prefix must fit
+    # the front: prefix bytes, seconds, offloaded layers below (capped), last layer offloaded
+    prefix, time = np.array([profile.base], dtype=np.int64), np.zeros(1)
+    below, last_off = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    history = []  # per layer: (parent state, choice) of each state of its front
     for i in range(n):
-        nxt = {}
-        for idx, (prefix, secs, _, below, last_off) in enumerate(front):
-            for choice in (last_choices if i == n - 1 else choices):
-                resident, fwd, bwd = foot[choice]
-                offload = choice.offload
-                side = inp if side_stream and last_off else 0
-                ahead = min(depth, below) * inp
-                if (prefix + fwd + side <= activation_limit and prefix + resident + profile.head_net + bwd + ahead
-                        + backward_extra <= activation_limit):
-                    key = (min(depth, below + offload), offload)
-                    nxt.setdefault(key, []).append((prefix + resident, secs + seconds[choice], (idx, choice)) + key)
-        front = []
-        for states in nxt.values():
-            states.sort(key=lambda s: (s[0], s[1]))
-            best = float("inf")
-            for state in states:  # Pareto front per key: increasing bytes, strictly decreasing time
-                if state[1] < best - 1e-15:
-                    front.append(state)
-                    best = state[1]
-        history.append(front)
-        if not front:
+        opts = last if i == n - 1 else every
+        fits = ((fwd[opts][None, :] <= (activation_limit - prefix - side * last_off)[:, None])
+                & (bwd[opts][None, :] <= (activation_limit - prefix - np.minimum(depth, below) * inp)[:, None])
+                # prune early: a prefix the final constraint cannot fit with the least-resident layers above it
+                & (prefix[:, None] + resident[opts][None, :] <= final_room - (n - 1 - i) * least))
+        parent, col = np.nonzero(fits)  # state-major, choice-minor: the order ties resolve in
+        if not len(parent):
             return None
-    tail = profile.base + profile.head_net + profile.tail_excess + backward_extra
-    fitting = [k for k, s in enumerate(front) if s[0] + profile.head_excess + backward_extra <= activation_limit]
-    if not fitting or tail > activation_limit:
+        chosen = opts[col]
+        prefix, time = prefix[parent] + resident[chosen], time[parent] + secs[chosen]
+        below, last_off = np.minimum(depth, below[parent] + offload[chosen]), offload[chosen]
+        keep = _pareto(prefix, time, below * 2 + last_off)
+        prefix, time, below, last_off = prefix[keep], time[keep], below[keep], last_off[keep]
+        history.append((parent[keep], chosen[keep]))
+    fitting = np.flatnonzero(prefix <= final_room)
+    if not len(fitting):
         return None
-    k = min(fitting, key=lambda j: front[j][1])
+    k = int(fitting[np.lexsort((prefix[fitting], time[fitting]))[0]])  # the least time; of equal ones, fewer bytes
     plan = []
-    for i in range(n - 1, -1, -1):
-        _, _, (parent, choice), _, _ = history[i][k]
-        plan.append(choice)
-        k = parent
+    for parent, chosen in reversed(history):
+        plan.append(choices[int(chosen[k])])
+        k = int(parent[k])
     return tuple(reversed(plan))
+
+
+def _pareto(prefix: np.ndarray, time: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Indices of the states no state of the same key beats in both bytes and time, per key by increasing
+    bytes (strictly decreasing time; ties to the earlier state)."""
+    order = np.lexsort((time, prefix, key))
+    key_sorted, time_sorted = key[order], time[order]
+    kept = []
+    for start, end in _runs(key_sorted):
+        t = time_sorted[start:end]
+        before = np.minimum.accumulate(np.concatenate(([np.inf], t[:-1])))
+        kept.append(order[start:end][t < before - 1e-15])
+    return np.concatenate(kept)
+
+
+def _runs(values: np.ndarray):
+    """(start, end) of each run of equal values in a sorted array."""
+    edges = np.flatnonzero(np.diff(values)) + 1
+    bounds = np.concatenate(([0], edges, [len(values)]))
+    return zip(bounds[:-1], bounds[1:])
+
+
+def _footprint_terms(profile: ActivationProfile, choice: LayerChoice, backward_extra: int) -> tuple[int, int, int]:
+    """(resident, forward transient, backward transient with the head's net bytes and `backward_extra`)."""
+    resident, fwd, bwd = layer_footprint(profile, choice)
+    return resident, fwd, bwd + profile.head_net + backward_extra
 
 
 def feasible(profile: ActivationProfile, activation_limit: int, choices: tuple[LayerChoice, ...],

@@ -64,11 +64,10 @@ class ActivationProfile:
         """Every activation carries the batch dimension, so sizes scale linearly with the micro-batch."""
         f = micro_batch_size / self.target.micro_batch_size
         sc = lambda v: int(round(v * f)) if isinstance(v, int) else v * f  # noqa: E731
-        layers = {m: LayerCost(**{k: sc(v) for k, v in asdict(c).items()}) for m, c in self.layers.items()}
-        fields = {k: sc(getattr(self, k)) for k in ("outside_saved", "base", "head_excess", "head_net",
-                                                      "tail_excess", "largest_block")}
-        target = Target(**{**asdict(self.target), "micro_batch_size": micro_batch_size})
-        return replace(self, target=target, layers=layers, **fields)
+        layers = {m: LayerCost(**{k: sc(v) for k, v in vars(c).items()}) for m, c in self.layers.items()}
+        sizes = {k: sc(getattr(self, k)) for k in ("outside_saved", "base", "head_excess", "head_net",
+                                                     "tail_excess", "largest_block")}
+        return replace(self, target=replace(self.target, micro_batch_size=micro_batch_size), layers=layers, **sizes)
 
 
 def supported_modes() -> tuple[str, ...]:

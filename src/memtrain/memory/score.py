@@ -6,7 +6,9 @@ step time from `memtrain.memory.step_time`, at the hardware sheet's rates.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from memtrain.config.zero3 import resident
@@ -72,6 +74,24 @@ class Family:
     target: Target
     profile: ActivationProfile
     choices: tuple[LayerChoice, ...]
+    # what its configurations share, computed once: profiles by micro-batch, a ZeRO variant's collective facts
+    cache: dict = field(init=False, default_factory=dict, compare=False, repr=False)
+
+    def profile_at(self, micro_batch: int) -> ActivationProfile:
+        """The profile at `micro_batch`: the measured one, or scaled from it (once per micro-batch)."""
+        key = ("profile", micro_batch)
+        if key not in self.cache:
+            same = self.profile.target.micro_batch_size == micro_batch
+            self.cache[key] = self.profile if same else self.profile.scaled(micro_batch)
+        return self.cache[key]
+
+    def predict(self, micro_batch: int, states: ModelStates, plan: tuple[LayerChoice, ...]) -> Prediction:
+        """`memtrain.memory.predict` of a plan at `micro_batch`. Its activation terms depend on the model states
+        only through their ZeRO-1/2 reduce buffers, so they are walked once per (micro-batch, buffers, plan)."""
+        key = ("predict", micro_batch, states.backward, plan)
+        if key not in self.cache:
+            self.cache[key] = predict(self.profile_at(micro_batch), states, plan)
+        return replace(self.cache[key], model_states=states)
 
 
 def sheet_rates(hw: Hardware) -> Rates:
@@ -125,19 +145,29 @@ class Setting:
         return min(self.layout_world, self.hw.gpus_per_node)
 
 
+def _zero_facts(fam: Family, config, ds: dict, stage: int, layout: Layout) -> tuple[int, ModelShape, int, bool]:
+    """(persistent elements, model shape, gathers per micro-step, resident) of a family's ZeRO variant: the same
+    for all its micro-batches (the parameters do not change with the batch), so computed once per JSON."""
+    key = ("zero", stage, json.dumps(ds.get("zero_optimization", {}), sort_keys=True, default=str))
+    if key not in fam.cache:
+        zero = zero_config(ds)
+        persistent = persistent_elements(fam.profile, zero) if stage == 3 else 0
+        shape = model_shape(config, fam.profile, fam.target, persistent)
+        gathers = 1 if keeps_gathered(zero, fam.profile.num_params, layout.zero) else 2
+        fam.cache[key] = persistent, shape, gathers, resident(ds, layout.zero)
+    return fam.cache[key]
+
+
 def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage: int, offload_opt: bool,
           offload_param: bool, mb: int, ga: int, plan: tuple[LayerChoice, ...]) -> Scored:
     """Memory, host memory and step time of one configuration whose per-layer plan is `plan`."""
-    profile = fam.profile if fam.profile.target.micro_batch_size == mb else fam.profile.scaled(mb)
+    profile = fam.profile_at(mb)
     layout = Layout(s.layout_world, s.hw.gpus_per_node, fam.tp, fam.sp)
-    pred = predict(profile, states, plan)
-    zero = zero_config(ds)
+    pred = fam.predict(mb, states, plan)
     elem = _ELEMENT[fam.target.dtype]
-    persistent = persistent_elements(profile, zero) if stage == 3 else 0
-    shape = model_shape(config, profile, fam.target, persistent)
-    gathers = 1 if keeps_gathered(zero, profile.num_params, layout.zero) else 2
+    persistent, shape, gathers, is_resident = _zero_facts(fam, config, ds, stage, layout)
     collectives = step_collectives(shape, stage, elem, layout, mb * fam.target.seq_len, tuple(c.mode for c in plan),
-                                   gathers, resident(ds, layout.zero))
+                                   gathers, is_resident)
     trained_rank = shape.trained // (layout.zero if stage >= 1 else 1)
     copies_micro = elem * shape.trained / layout.zero if offload_opt else 0.0
     if offload_param:

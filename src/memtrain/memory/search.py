@@ -91,14 +91,16 @@ def layouts(recipe, config, world: int, gpus_per_node: int, sp_ok=None):
 
 
 def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],
-              s: Setting, solved: Optional[list] = None) -> Optional[tuple[LayerChoice, ...]]:
+              s: Setting, solved: Optional[list] = None, fam: Optional[Family] = None) -> Optional[tuple[LayerChoice, ...]]:
     """The per-layer plan `policy: auto` picks under the budget (the exact solver), or None if none fits.
     Keeping every layer costs no time: where it fits it is the solver's answer, found without the DP.
     `solved` holds (limit, plan, what the plan needs) of earlier solves of this profile and ZeRO-1/2 reduce
     buffers: a plan optimal under a larger limit stays optimal under a smaller one that it still fits, and
     nothing fits a smaller limit than one where nothing fitted."""
     keep = (LayerChoice("keep"),) * profile.num_layers
-    if LayerChoice("keep") in choices and predict(profile, states, keep).peak <= s.budget:
+    walk = (lambda plan: fam.predict(profile.target.micro_batch_size, states, plan)) if fam else (
+        lambda plan: predict(profile, states, plan))
+    if LayerChoice("keep") in choices and walk(keep).peak <= s.budget:
         return keep
     limit = activation_limit(profile, states, choices, s.budget)
     for larger, plan, need in solved if solved is not None else ():
@@ -107,7 +109,7 @@ def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[La
     plan = solve(profile, limit, choices, {c: choice_seconds(profile, s.rates, c) for c in choices},
                  backward_extra=states.backward)
     if solved is not None:
-        pred = None if plan is None else predict(profile, states, plan)
+        pred = None if plan is None else walk(plan)
         solved.append((limit, plan, None if pred is None else pred.activation_peak + pred.reduce_buffers))
     return plan
 
@@ -130,8 +132,8 @@ def _variant(s: Setting, fam: Family, config, variant, micro_batches, result: Se
         if rest or ga < 1:
             result.dropped["global batch not reachable (tokens not a multiple of micro-batch x seq x DP)"] += 1
             continue
-        plan = None if too_big else best_plan(fam.profile.scaled(mb), states, fam.choices, s,
-                                              solved.setdefault((mb, states.backward), []))
+        plan = None if too_big else best_plan(fam.profile_at(mb), states, fam.choices, s,
+                                              solved.setdefault((mb, states.backward), []), fam)
         if plan is None:  # activations grow with the micro-batch: every larger one fails too
             too_big = True
             result.dropped["GPU memory exceeded (no per-layer plan fits)"] += 1

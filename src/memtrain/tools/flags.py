@@ -50,6 +50,12 @@ def _search_flags(p) -> None:
                    help="write the --hardware sheet's calibration file from a gpu-check report (reports/gpu/*.json)")
     p.add_argument("--top", type=int, default=15, help="--search: rows of the ranked table (default 15)")
     p.add_argument("--out", metavar="DIR", help="--search: where the winner goes (default plans/<recipe>-<sheet>-<N>n)")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="--search: run the top K configurations and a few random feasible ones for --verify-steps "
+                        "steps through the sweep runner; print predicted against measured and Kendall's tau")
+    p.add_argument("--verify-steps", type=int, default=10, metavar="N", help="--verify: steps per run (default 10)")
+    p.add_argument("--launcher", choices=("deepspeed", "slurm"), help="--verify: the sweep runner's launcher "
+                   "(default deepspeed: this machine)")
 
 
 def ac_profile_parser() -> argparse.ArgumentParser:

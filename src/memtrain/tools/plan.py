@@ -269,10 +269,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     if args.search:
         from memtrain.tools.plan_search import run_search
+        from memtrain.tools.plan_verify import check_verify_args, verify_cli
 
+        check_verify_args(args, recipe.train.metric_warmup_steps)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the result
             import deepspeed  # noqa: F401  (its import-time log lines)
-        run_search(args, recipe, ds_config)
+        result, hw, out = run_search(args, recipe, ds_config)
+        if args.verify:
+            verify_cli(args, result, recipe, hw, out)
         return
     from memtrain.train.parallel import check_tensor_parallel
 

@@ -7,6 +7,7 @@ configurations per second is the scoring rate (issue 37's target: 100,000 in at 
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import sys
 import time
@@ -54,7 +55,7 @@ def report(recipe_path: str, hw_path: str, nodes: int, tokens: int) -> str:
     return "\n".join([
         "# `make plan --search`: configurations scored per second", "",
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} ({_cpu()}), one torch thread, "
-        "on a machine other engineers share (timings vary with their load).", "",
+        f"on a machine other engineers share (timings vary with their load; load average {_load()}).", "",
         f"Search: recipe {recipe.name} on {nodes} x {hw.name}, {tokens:,} tokens per step, "
         "ds_configs/zero3_ckpt.json as the base JSON.", "",
         "| run | seconds | configurations | of them scored (per-layer solver + step time) | per second |",
@@ -65,8 +66,15 @@ def report(recipe_path: str, hw_path: str, nodes: int, tokens: int) -> str:
         f"{rate:,.0f} |", "",
         f"Scoring rate: {rate:,.0f} configurations per second ({scored_rate:,.0f} that reach the solver and the "
         f"step-time model); target {TARGET_PER_S:,.0f} per second (100,000 in 10 s): "
-        + ("met." if rate >= TARGET_PER_S else "not met. Each scored configuration runs the memory model's walk and, "
-           "where keeping every layer does not fit, the exact per-layer solver, in Python."), ""])
+        + ("met." if rate >= TARGET_PER_S else "not met. What is left: the exact per-layer solver (numpy, one DP per "
+           "limit where keeping every layer does not fit) and the memory model's walk per plan."), ""])
+
+
+def _load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f} over the last minute, {os.cpu_count()} cores"
+    except OSError:
+        return "unknown"
 
 
 def parser() -> ArgumentParser:

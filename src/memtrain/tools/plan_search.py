@@ -116,8 +116,8 @@ def write_plan(result: SearchResult, recipe, best: Scored, out: Path) -> tuple[P
     return ds_path, recipe_path
 
 
-def run_search(args, recipe, ds_config: dict) -> None:
-    """The --search branch of `python -m memtrain plan`."""
+def run_search(args, recipe, ds_config: dict) -> tuple[SearchResult, Hardware, Path]:
+    """The --search branch of `python -m memtrain plan`: the result, the hardware it used, where the winner went."""
     from memtrain.memory.hardware import load_hardware
     from memtrain.memory.target import model_and_config
     from memtrain.tools.max_seq import sequence_sizes
@@ -147,6 +147,7 @@ def run_search(args, recipe, ds_config: dict) -> None:
                                              f"{args.global_batch_tokens:,} tokens/step")
     print(f"\nwinner: {ds_path}, {recipe_path}; Pareto plot {out / 'pareto.png'}\n"
           f"run it: deepspeed src/train.py --deepspeed {ds_path} --recipe {recipe_path}", file=sys.stderr)
+    return result, hw, out
 
 
 def _bar(items):
