@@ -113,37 +113,81 @@ def _store_hashes(cache: Path) -> dict:
             for name in ("tokens.bin", "offsets.bin", "doc_hash.bin")}
 
 
-def test_an_interrupted_build_is_never_read_and_the_rebuild_is_identical_with_any_worker_count(tmp_path, capsys):
+SLOW_BUILD = textwrap.dedent("""
+    import sys, time
+    from memtrain.model import store_progress, token_store
+    from memtrain.tools.prepare_data import main
+    tokenize = token_store.tokenize_chunk
+    def slow(*args):  # a chunk a quarter second: the test stops the build between two of them
+        time.sleep(0.25)
+        return tokenize(*args)
+    token_store.tokenize_chunk, token_store.CHUNK_CHARS, store_progress.EVERY_S = slow, 1_000_000, 0.0
+    main(sys.argv[1:])
+""")
+
+
+def _build_until(cache: Path, args: list[str], chunks: int, sig: int) -> int:
+    """prepare-data in a process of its own, stopped by `sig` once its checkpoint holds `chunks` chunks; the
+    chunks it held then."""
+    child = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, *args, "--set", f"data.cache_dir={cache}"], env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    from memtrain.model import store_progress
+
+    while True:
+        done = [p.chunks for p in map(store_progress.read, cache.glob("store-*.tmp-*")) if p is not None]
+        if done and done[0] >= chunks:
+            break
+        assert child.poll() is None and time.time() < deadline, child.communicate()
+        time.sleep(0.02)
+    child.send_signal(sig)
+    child.wait()
+    return done[0]
+
+
+def test_an_interrupted_build_is_never_read_and_continues_to_the_same_store_with_any_worker_count(tmp_path, capsys):
+    """prepare-data stopped by SIGTERM, continued and killed by SIGKILL, then continued by a run with 2 workers:
+    the store equals, byte for byte, an uninterrupted build's with 1 worker, and each continuation says where it
+    takes up."""
     import pandas as pd
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    write_corpus(corpus / "a.jsonl", 24_000_000)
+    write_corpus(corpus / "a.jsonl", 12_000_000)
     pd.DataFrame({"text": ["parquet row %d " % i * 30 for i in range(500)]}).to_parquet(corpus / "b.parquet")
     (corpus / "c.txt").write_text("a plain text document\n" * 1000)
     common = [f"data.paths=[{corpus}/*]", "data.max_bytes=null", "data.seq_len=64"]
+    args = [a for s in [*common, "data.workers=1"] for a in ("--set", s)]
     killed = tmp_path / "killed"
-    child = subprocess.Popen([sys.executable, "-m", "memtrain", "prepare-data", "--set", "data.workers=1",
-                              "--set", f"data.cache_dir={killed}", *[a for s in common for a in ("--set", s)]],
-                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not any(p.stat().st_size for p in killed.glob("store-*/tokens.bin")):  # mid-build
-        assert child.poll() is None and time.time() < deadline, child.communicate()
-        time.sleep(0.01)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    first = _build_until(killed, args, 2, signal.SIGTERM)
+    second = _build_until(killed, args, first + 3, signal.SIGKILL)
     left = [p.name for p in killed.glob("store-*") if p.is_dir()]
-    assert left and all(".tmp-" in name for name in left), left  # only the killed builder's temporary
+    assert left and all(".tmp-" in name for name in left), left  # only a temporary
+    for name in ("tokens.bin", "offsets.bin"):  # what a build writes after its last checkpoint, before a kill
+        with open(killed / left[0] / name, "ab") as f:
+            f.write(b"\x07" * 1000)
     with pytest.raises(FileNotFoundError):  # what a run would open: nothing
         prepare_data(_cfg(*common, f"data.cache_dir={killed}"), seed=0, build=False)
     capsys.readouterr()
     rebuilt = prepare_data(_cfg(*common, f"data.cache_dir={killed}", "data.workers=2"), seed=0)
     said = capsys.readouterr().err.strip().splitlines()
-    assert len(said) == 1 and "an interrupted build of" in said[0] and "restarting the build from the start" in said[0]
-    assert not list(killed.glob("store-*.tmp-*"))
+    assert len(said) == 1 and "an interrupted build of" in said[0], said
+    assert f"; continuing from its chunk {second} (" in said[0], said
+    assert not list(killed.glob("store-*.tmp-*")) and not list(killed.glob("store-*/progress.json"))
     clean = prepare_data(_cfg(*common, f"data.cache_dir={tmp_path / 'clean'}", "data.workers=1"), seed=0)
     assert _store_hashes(killed) == _store_hashes(tmp_path / "clean")
     assert len(rebuilt) == len(clean) > 0
+    # a temporary without a checkpoint (killed before its first chunk) is removed, and the build restarts
+    stale = tmp_path / "stale" / f"{_store_name(killed)}.tmp-host-1"
+    stale.mkdir(parents=True)
+    capsys.readouterr()
+    prepare_data(_cfg(*common, f"data.cache_dir={tmp_path / 'stale'}", "data.workers=1"), seed=0)
+    assert "removed it, restarting the build from the start" in capsys.readouterr().err
+    assert not stale.exists() and _store_hashes(tmp_path / "stale") == _store_hashes(tmp_path / "clean")
+
+
+def _store_name(cache: Path) -> str:
+    return next(p.name for p in cache.glob("store-*") if p.is_dir() and ".tmp-" not in p.name)
 
 
 BUILD_UNDER_LIMIT = textwrap.dedent("""

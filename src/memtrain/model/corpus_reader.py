@@ -7,7 +7,7 @@ import glob
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import NodeError, UserError
@@ -59,29 +59,49 @@ def _matches(patterns: list[str], key: str) -> list[Path]:
 def documents(files: list[Path], cfg: DataSection) -> Iterator[str]:
     """Non-blank documents in file order (grouped by builder, as the files' first appearance orders them), the last
     one cut so that at most data.max_bytes characters are read."""
+    return (text for text, _ in positioned_documents(files, cfg))
+
+
+def positioned_documents(files: list[Path], cfg: DataSection, start: Optional[dict] = None) -> Iterator[tuple[str, dict]]:
+    """As `documents`, each with the reading position just after it, and from such a position (`start`), so that a
+    build can continue where an interrupted one stopped. A position is JSON: the builder group, the `datasets`
+    stream's state before the batch that holds the document (files before it are skipped unread), the rows of that
+    batch read, and the characters left of data.max_bytes."""
     groups: dict[str, list[str]] = {}
     for f in files:
         groups.setdefault(builder_for(f), []).append(str(f))
-    budget = cfg.max_bytes
-    for builder, paths in groups.items():
-        for text in _stream(builder, paths, cfg):
+    start = start or {"group": 0, "state": None, "rows": 0, "budget": cfg.max_bytes}
+    budget = start["budget"]
+    for g, (builder, paths) in enumerate(groups.items()):
+        if g < start["group"]:
+            continue
+        at = start if g == start["group"] else {"state": None, "rows": 0}
+        for state, row, text in _stream(builder, paths, cfg, at["state"], at["rows"]):
             if isinstance(text, str) and text.strip():
-                if budget is None:
-                    yield text
-                    continue
-                text = text[:budget]
-                yield text
-                budget -= len(text)
-                if budget <= 0:
+                if budget is not None:
+                    text = text[:budget]
+                    budget -= len(text)
+                yield text, {"group": g, "state": state, "rows": row + 1, "budget": budget}
+                if budget is not None and budget <= 0:
                     return
 
 
-def _stream(builder: str, paths: list[str], cfg: DataSection) -> Iterator:
-    """The text column of every row of `paths`, streamed; a file it cannot read is named in one line, with its row."""
+def _stream(builder: str, paths: list[str], cfg: DataSection, state: Optional[dict], skip: int) -> Iterator:
+    """(stream state before the row's batch, row in the batch, the text column) of every row of `paths`, streamed
+    from `state` with the first `skip` rows of its batch left out; a file it cannot read is named in one line, with
+    its row."""
     column = "text" if builder == "text" else cfg.text_key
     try:
-        for batch in _load(builder, paths, column).iter(batch_size=BATCH):
-            yield from batch[column]
+        ds = _load(builder, paths, column)
+        if state is not None:
+            ds.load_state_dict(state)
+        before = state
+        for batch in ds.iter(batch_size=BATCH):
+            for row, text in enumerate(batch[column]):
+                if row >= skip:
+                    yield before, row, text
+            skip = 0
+            before = ds.state_dict()
     except (UserError, NodeError):
         raise
     except Exception as e:  # a corrupt file surfaces as one of many datasets/arrow errors, mid-stream

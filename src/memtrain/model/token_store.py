@@ -7,6 +7,7 @@ A store is a directory `<cache_dir>/store-<key>/`:
   offsets.bin   int64 [documents + 1]: document d is tokens[offsets[d]:offsets[d + 1]] (its EOS included)
   doc_hash.bin  uint64 [documents]: a fixed-salt blake2b of each document's text (the eval split's coin)
   manifest.json written last: counts, dtype, the key's inputs; a directory without it is never read
+A build in progress also keeps progress.json (memtrain.model.store_progress), so a killed build continues.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ import numpy as np
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import UserError
-from memtrain.model.corpus_reader import documents
+from memtrain.model import store_progress
+from memtrain.model.corpus_reader import positioned_documents
 
 FORMAT = 1  # bump when the layout or what a document holds changes: old stores are then never read
 MANIFEST = "manifest.json"
@@ -102,7 +104,8 @@ def build_once(target: Path, build: bool, write: Callable[[Path], None]) -> None
     file lock builds, the others wait on the lock (not on a collective with a timeout, so a corpus that takes an
     hour to tokenize kills nothing) and then load. It is written under a name unique to this host and process and
     renamed into place, so a file system without working locks still never shows a partial one. A temporary left
-    by a killed builder is removed, and the builder says in one line that it restarts.
+    by a killed or stopped builder is continued from its checkpoint where it has one (a store's), else removed; the
+    builder says which in one line.
 
     Where the file system has no locks at all (Lustre or NFS mounted with `noflock`/`nolock`: flock raises), every
     process asking builds its own copy, the first renamed into place wins and the others discard theirs: slower,
@@ -116,14 +119,15 @@ def build_once(target: Path, build: bool, write: Callable[[Path], None]) -> None
         locked = _lock(lock, target)  # released when the file closes (or the process dies)
         if target.exists():  # another process built it while this one waited
             return
-        if locked:  # no builder is alive but this one: what others left is from a killed build
-            _remove_interrupted(target)
         tmp = target.with_name(f"{target.stem}.tmp-{socket.gethostname()}-{os.getpid()}{target.suffix}")
+        if locked:  # no builder is alive but this one: what others left is from a killed build
+            _take_interrupted(target, tmp)
         try:
             write(tmp)
-        except BaseException:  # a bad file or a stop: the next build starts clean (a kill leaves it: see above)
+        except Exception:  # a bad file: the next build starts clean
             _remove(tmp)
             raise
+        # a stop (Ctrl-C, SystemExit) or a kill leaves the temporary: the next build continues it
         try:
             os.replace(tmp, target)
         except OSError:  # without locks: another builder's directory is in place already, and is the same store
@@ -157,14 +161,26 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
-def _remove_interrupted(target: Path) -> None:
-    """Temporaries of `target` left by builders that died (this process holds the lock, so none is alive)."""
+def _take_interrupted(target: Path, tmp: Path) -> None:
+    """Temporaries of `target` left by builders that died (this process holds the lock, so none is alive): the one
+    furthest on with a checkpoint (memtrain.model.store_progress) becomes `tmp`, to be continued; the others are
+    removed. One line says which."""
     left = sorted(target.parent.glob(f"{target.stem}.tmp-*{target.suffix}"))
+    if not left:
+        return
+    checkpoints = {path: store_progress.read(path) for path in left}
+    resumable = [p for p in left if checkpoints[p] is not None]
+    kept = max(resumable, key=lambda p: checkpoints[p].chars, default=None)
     for path in left:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    if left:
+        if path != kept:
+            _remove(path)
+    if kept is None:
         print(f"memtrain: data: an interrupted build of {target} was left ({left[0].name}); removed it, "
               "restarting the build from the start", file=sys.stderr, flush=True)
+        return
+    os.replace(kept, tmp)
+    print(f"memtrain: data: an interrupted build of {target} was left ({kept.name}); continuing from its "
+          f"{checkpoints[kept].describe()}", file=sys.stderr, flush=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -178,23 +194,26 @@ def _fsync_dir(path: Path) -> None:
 # --------------------------------------------------------------------------- building a store
 
 def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, workers: int) -> dict:
-    """Tokenize the corpus into the store directory `out` (see the module's docstring); returns its manifest."""
+    """Tokenize the corpus into the store directory `out` (see the module's docstring); returns its manifest. Where
+    `out` holds a killed build's checkpoint (memtrain.model.store_progress), continue from its last chunk."""
     start = time.perf_counter()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    out.mkdir(parents=True)
-    names = ("tokens.bin", "offsets.bin", "doc_hash.bin")
-    handles = [open(out / name, "wb") for name in names]
+    progress = _continued_or_new(out, dtype)
+    handles = [open(out / name, "ab") for name in store_progress.FILES]
     tokens_f, offsets_f, hash_f = handles
-    offsets_f.write(np.zeros(1, np.int64).tobytes())
-    end, docs, chars = 0, 0, 0
-    bar = _progress_bar(files, cfg)
+    bar = _progress_bar(files, cfg, progress.chars)
     try:
-        texts = documents(files, cfg)
-        for chunk_chars, (ids, lengths, hashes) in _tokenized(_chunks(texts), tokenizer, dtype, workers):
+        texts = positioned_documents(files, cfg, progress.position)
+        for chunk_chars, position, (ids, lengths, hashes) in _tokenized(_chunks(texts), tokenizer, dtype, workers):
             tokens_f.write(ids.tobytes())
-            offsets_f.write((end + np.cumsum(lengths)).tobytes())
+            offsets_f.write((progress.tokens + np.cumsum(lengths)).tobytes())
             hash_f.write(hashes.tobytes())
-            end, docs, chars = end + int(lengths.sum()), docs + len(lengths), chars + chunk_chars
+            progress.tokens += int(lengths.sum())
+            progress.documents += len(lengths)
+            progress.chars += chunk_chars
+            progress.chunks += 1
+            progress.position = position
+            store_progress.save(out, progress, handles)
             bar.update(chunk_chars)
     finally:
         bar.close()
@@ -202,10 +221,12 @@ def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, worke
             f.flush()
             os.fsync(f.fileno())
             f.close()
-    manifest = {"format": FORMAT, "documents": docs, "tokens": end, "chars": chars, "dtype": dtype.name,
-                "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id, "tokenizer": tokenizer.name,
-                "text_key": cfg.text_key, "max_bytes": cfg.max_bytes, "files": [str(f.resolve()) for f in files],
-                "workers": workers, "seconds": round(time.perf_counter() - start, 3)}
+    (out / store_progress.PROGRESS).unlink(missing_ok=True)
+    manifest = {"format": FORMAT, "documents": progress.documents, "tokens": progress.tokens, "chars": progress.chars,
+                "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id,
+                "tokenizer": tokenizer.name, "text_key": cfg.text_key, "max_bytes": cfg.max_bytes,
+                "files": [str(f.resolve()) for f in files], "workers": workers,
+                "seconds": round(time.perf_counter() - start, 3)}
     with open(out / MANIFEST, "w") as f:  # last: a directory without it was never finished
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -214,38 +235,58 @@ def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, worke
     return manifest
 
 
-def _progress_bar(files: list[Path], cfg: DataSection):
+def _continued_or_new(out: Path, dtype: np.dtype) -> store_progress.Progress:
+    """A killed build's checkpoint in `out`, its files cut back to it; else `out` made afresh, with one line when a
+    left build cannot be continued."""
+    if out.exists():
+        progress, why = store_progress.resume(out, FORMAT, dtype.name)
+        if progress is not None:
+            return progress
+        print(f"memtrain: data: the interrupted build in {out} cannot be continued ({why}); restarting it from the "
+              "start", file=sys.stderr, flush=True)
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for name in store_progress.FILES:
+        (out / name).write_bytes(np.zeros(1, np.int64).tobytes() if name == "offsets.bin" else b"")
+    return store_progress.Progress(FORMAT, dtype.name)
+
+
+def _progress_bar(files: list[Path], cfg: DataSection, done: int = 0):
     """Bytes read, MB/s and ETA on the building process; off for a small corpus (done in seconds)."""
     from tqdm import tqdm
 
     total = sum(f.stat().st_size for f in files)
     total = min(total, cfg.max_bytes) if cfg.max_bytes else total
-    return tqdm(total=total, unit="B", unit_scale=True, desc="memtrain: tokenizing", dynamic_ncols=True,
+    return tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="memtrain: tokenizing", dynamic_ncols=True,
                 mininterval=1.0, disable=total < 32_000_000 and not sys.stderr.isatty())
 
 
-def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
-    """Documents in order, grouped into worker tasks of about CHUNK_CHARS characters."""
+def _chunks(texts: Iterator[tuple[str, dict]]) -> Iterator[tuple[list[str], dict]]:
+    """Documents in order, grouped into worker tasks of about CHUNK_CHARS characters, each with the reading position
+    after its last document. A chunk ends where the documents since the last one reach a size, so a build continued
+    from a chunk's end cuts the chunks that follow as an uninterrupted build does."""
     chunk: list[str] = []
     size = 0
-    for text in texts:
+    position = None
+    for text, position in texts:
         chunk.append(text)
         size += len(text)
         if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
-            yield chunk
+            yield chunk, position
             chunk, size = [], 0
     if chunk:
-        yield chunk
+        yield chunk, position
 
 
-def _tokenized(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
-    """(characters, tokenize_chunk(chunk)) for each chunk, in chunk order whatever the worker count: one worker, or a
-    corpus of one chunk, tokenizes here; more run in forked processes, at most 2 x workers chunks in flight."""
+def _tokenized(chunks: Iterator[tuple[list[str], dict]], tokenizer, dtype, workers: int):
+    """(characters, position, tokenize_chunk(chunk)) for each chunk, in chunk order whatever the worker count: one
+    worker, or a corpus of one chunk, tokenizes here; more run in forked processes, at most 2 x workers chunks in
+    flight."""
     chunks = iter(chunks)
     head = [c for c in (next(chunks, None), next(chunks, None)) if c is not None]
     if workers <= 1 or len(head) < 2:
-        for chunk in itertools.chain(head, chunks):
-            yield sum(map(len, chunk)), tokenize_chunk(chunk, tokenizer, dtype)
+        for chunk, position in itertools.chain(head, chunks):
+            yield sum(map(len, chunk)), position, tokenize_chunk(chunk, tokenizer, dtype)
         return
     yield from _tokenized_in_pool(itertools.chain(head, chunks), tokenizer, dtype, workers)
 
@@ -257,14 +298,14 @@ def _tokenized_in_pool(chunks: Iterator[list[str]], tokenizer, dtype, workers: i
     pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype))
     try:
         pending: deque = deque()
-        for chunk in chunks:
-            pending.append((sum(map(len, chunk)), pool.apply_async(_tokenize_in_worker, (chunk,))))
+        for chunk, position in chunks:
+            pending.append((sum(map(len, chunk)), position, pool.apply_async(_tokenize_in_worker, (chunk,))))
             if len(pending) >= 2 * workers:
-                size, result = pending.popleft()
-                yield size, result.get()
+                size, position, result = pending.popleft()
+                yield size, position, result.get()
         while pending:
-            size, result = pending.popleft()
-            yield size, result.get()
+            size, position, result = pending.popleft()
+            yield size, position, result.get()
         pool.close()  # every chunk done: the workers exit
     finally:
         pool.terminate()  # after close() a no-op for exited workers; on an error or a stop, ends them
