@@ -54,11 +54,15 @@ def _set_rng_state(state: dict) -> None:
 def weights_finite(engine) -> bool:
     """Every parameter element on every rank is finite: one max-abs per local tensor (torch._foreach_norm with
     ord=inf, which cannot overflow as a 2-norm can), one all-reduce of the count of bad tensors, one host read.
-    Run before a save only, never per step. Under ZeRO-3 a rank's parameters are its partitions (`ds_tensor`)."""
+    Run before a save only, never per step. Under ZeRO-3 a rank's parameters are its partitions (`ds_tensor`).
+    A 4-bit base's packed weights (bitsandbytes' Params4bit, which carry a quant_state) are codes, not numbers, and
+    frozen: skipped."""
     import deepspeed.comm as dist
 
     by_device: dict = {}
     for p in engine.module.parameters():
+        if hasattr(p, "quant_state"):
+            continue
         local = getattr(p, "ds_tensor", None)
         local = p.data if local is None else local
         if local.numel():
