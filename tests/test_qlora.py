@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, ROOT, assert_ok, run_train
+from conftest import FAST, ROOT, assert_ok, cut_back, run_train
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.errors import UserError
 from memtrain.model.build import build_config, build_model
@@ -85,20 +85,27 @@ def test_adapter_gradients_equal_a_plain_peft_and_bitsandbytes_model(base):
     assert max((got[n] - want[n]).abs().max().item() for n in got) < 1e-5
 
 
-def test_a_zero3_run_writes_an_adapter_for_the_unquantized_base(base):
+def test_a_zero3_run_writes_an_adapter_for_the_unquantized_base_and_resumes(base):
     """One rank (no launcher) under ZeRO-3, the 4-bit codes stored by default in the dtype it computes in (float32):
     final/adapter loads on the unquantized pretrained base with peft, and final/ is the dequantized base with those
-    adapters merged (its logits equal peft's on a base dequantized by bitsandbytes here)."""
+    adapters merged (its logits equal peft's on a base dequantized by bitsandbytes here). Stopped after step 2 and
+    resumed, it logs the straight run's losses at steps 3 and 4."""
     import bitsandbytes.functional as F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from memtrain.tools.tb import read_scalars
+
     run = base / "run"
-    proc = run_train([*FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--set",
-                      f"model.pretrained={base / 'base'}", "--set", "model.config={}", "--set", "model.lora.r=4",
-                      "--set", "model.quantization.bits=4", "--set", "train.lr=1e-2",
-                      "--max-steps", "3", "--run-dir", str(run)])
-    assert_ok(proc)
+    args = [*FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--set",
+            f"model.pretrained={base / 'base'}", "--set", "model.config={}", "--set", "model.lora.r=4",
+            "--set", "model.quantization.bits=4", "--set", "train.lr=1e-2", "--set", "train.save_interval=2",
+            "--max-steps", "4"]
+    assert_ok(run_train([*args, "--run-dir", str(run)]))
+    stopped = cut_back(run, base / "stopped", 2)
+    assert_ok(run_train([*args, "--run-dir", str(stopped), "--resume"]))
+    straight, resumed = (dict(read_scalars(d / "tb")["train/loss"]) for d in (run, stopped))
+    assert [resumed[3], resumed[4]] == [straight[3], straight[4]]
     final = run / "final"
     ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(3))
     on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base / "base"), final / "adapter").eval()
@@ -187,7 +194,8 @@ def test_what_a_4bit_base_cannot_run_with_is_one_line():
             check_quantized_base(ds, load_recipe(None, [*qlora, *more]), "j.json", compiled=False)
     with pytest.raises(UserError, match=r"^j.json: train.compile with model.quantization"):
         check_quantized_base({}, load_recipe(None, qlora), "j.json", compiled=True)
-    check_quantized_base(zero3, load_recipe(None, [*qlora, "model.quantization.storage_dtype=bfloat16"]), "j.json", False)
+    bf16 = load_recipe(None, [*qlora, "model.quantization.storage_dtype=bfloat16"])
+    check_quantized_base(zero3, bf16, "j.json", False)
     check_quantized_base(zero3, load_recipe(None, qlora), "j.json", False)  # the default: the dtype it computes in
     check_quantized_base({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, load_recipe(None, qlora),
                          "j.json", False)  # uint8 codes are never cast
@@ -200,6 +208,7 @@ def test_gpu_check_runs_lora_beside_qlora():
 
     assert {"memtrain:full+lora", "memtrain:full+qlora"} <= set(GPU_CHECK_SETUPS)
     s = parse_setup("memtrain:full+offload+qlora")
-    assert (s.ac, s.cpu_checkpointing, s.adapters) == ("full", True, "qlora") and s.label.endswith("QLoRA (4-bit NF4 base)")
+    assert (s.ac, s.cpu_checkpointing, s.adapters) == ("full", True, "qlora")
+    assert s.label.endswith("QLoRA (4-bit NF4 base)")
     recipe = load_recipe(None, list(ADAPTERS[s.adapters]))
     assert recipe.model.quantization.type == "nf4" and recipe.model.lora.r == 16

@@ -65,6 +65,13 @@ def quantize_base(model: nn.Module, section: QuantizationSection, compute_dtype:
     return len(paths)
 
 
+def packed_shapes(model: nn.Module) -> dict[str, set[tuple[int, ...]]]:
+    """The shapes a checkpoint of the 4-bit base holds for each weight of `quantized_layers` (on the unquantized
+    model, meta included): bitsandbytes packs two codes a byte into a column of uint8, bfloat16/float16 or float32."""
+    return {f"{path}.weight": {(-(-model.get_submodule(path).weight.numel() // 2) // size, 1) for size in (1, 2, 4)}
+            for path in quantized_layers(model)}
+
+
 def quantize_for_engine(model: nn.Module, section: QuantizationSection, ds_config: dict) -> int:
     """`quantize_base` on this rank's device (DeepSpeed's accelerator), computing in the resolved JSON's dtype."""
     from deepspeed.accelerator import get_accelerator

@@ -203,7 +203,10 @@ def load(engine, checkpoint_dir: Path, point: Optional["ResumePoint"] = None) ->
     point = point or chosen_point(checkpoint_dir)
     tag = point.tag
     if point.world_size == dist.get_world_size():
-        _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        # a 4-bit base's saved module state holds bitsandbytes' quant-state entries beside each weight, which its
+        # Linear4bit does not load (the base is frozen and quantized again the same way; preflight checked the names)
+        strict = not any(hasattr(p, "quant_state") for p in engine.module.parameters())
+        _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag, load_module_strict=strict)
     else:
         client_state = _load_universal(engine, checkpoint_dir / tag)
     rng_file = checkpoint_dir / tag / f"rng_rank{dist.get_rank()}.pt"
