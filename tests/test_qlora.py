@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, ROOT, assert_ok, cut_back, run_train
+from conftest import EVAL_PATHS, FAST, ROOT, assert_ok, cut_back, run_train
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.errors import UserError
 from memtrain.model.build import build_config, build_model
@@ -89,7 +89,8 @@ def test_a_zero3_run_writes_an_adapter_for_the_unquantized_base_and_resumes(base
     """One rank (no launcher) under ZeRO-3, the 4-bit codes stored by default in the dtype it computes in (float32):
     final/adapter loads on the unquantized pretrained base with peft, and final/ is the dequantized base with those
     adapters merged (its logits equal peft's on a base dequantized by bitsandbytes here). Stopped after step 2 and
-    resumed, it logs the straight run's losses at steps 3 and 4."""
+    resumed, it logs the straight run's losses at steps 3 and 4. The held-out eval at step 2 (eval mode, no grad)
+    leaves the 4-bit weights in bitsandbytes' training layout (its CPU inference repacking would break the save)."""
     import bitsandbytes.functional as F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -100,7 +101,7 @@ def test_a_zero3_run_writes_an_adapter_for_the_unquantized_base_and_resumes(base
     args = [*FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--set",
             f"model.pretrained={base / 'base'}", "--set", "model.config={}", "--set", "model.lora.r=4",
             "--set", "model.quantization.bits=4", "--set", "train.lr=1e-2", "--set", "train.save_interval=2",
-            "--max-steps", "4"]
+            "--set", EVAL_PATHS, "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--max-steps", "4"]
     assert_ok(run_train([*args, "--run-dir", str(run)]))
     stopped = cut_back(run, base / "stopped", 2)
     assert_ok(run_train([*args, "--run-dir", str(stopped), "--resume"]))

@@ -59,6 +59,9 @@ def quantize_base(model: nn.Module, section: QuantizationSection, compute_dtype:
                                        quant_type=section.type, quant_storage=storage, module=new)
         if old.bias is not None:
             new.bias = nn.Parameter(old.bias.data, requires_grad=False)
+        # on a CPU with AVX512-BF16, a forward in eval mode without grad (a held-out eval) would repack the weight in
+        # place into bitsandbytes' CPU inference layout, which its training kernels, saving and ZeRO-3 do not read
+        new.support_avx512bf16_for_cpu = False
         setattr(parent, name, new.to(device))  # Params4bit.to quantizes on its first move to a device
     model.to(device)
     model.is_loaded_in_4bit = True  # peft's dispatch to its bitsandbytes LoRA layers reads it
