@@ -107,6 +107,10 @@ def test_a_zero3_run_writes_an_adapter_for_the_unquantized_base_and_resumes(base
     assert_ok(run_train([*args, "--run-dir", str(stopped), "--resume"]))
     straight, resumed = (dict(read_scalars(d / "tb")["train/loss"]) for d in (run, stopped))
     assert [resumed[3], resumed[4]] == [straight[3], straight[4]]
+    from memtrain.tools.export import export
+
+    with pytest.raises(UserError, match=r"export of a QLoRA run \(model.quantization\) is not supported"):
+        export(run, 4, base / "exported")
     final = run / "final"
     ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(3))
     on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base / "base"), final / "adapter").eval()
