@@ -217,3 +217,22 @@ def test_gpu_check_runs_lora_beside_qlora():
     assert s.label.endswith("QLoRA (4-bit NF4 base)")
     recipe = load_recipe(None, list(ADAPTERS[s.adapters]))
     assert recipe.model.quantization.type == "nf4" and recipe.model.lora.r == 16
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_plan_search_keeps_to_what_a_4bit_base_runs_with():
+    """make plan --search on a QLoRA recipe: Ulysses and offload_param, which preflight refuses with a 4-bit base,
+    are dropped with their reason, never proposed."""
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.hardware import load_hardware
+    from memtrain.memory.search import search
+
+    recipe = load_recipe(None, ["data.seq_len=64", "model.lora.r=4", "model.quantization.bits=4"])
+    result = search(recipe, load_ds_config(ROOT / "ds_configs" / "zero3_ckpt.json"),
+                    load_hardware(ROOT / "hardware" / "h100-sxm-8x.yaml"), 1, 64 * 8 * 4, host_budget=1 << 40,
+                    micro_batches=(1, 4), exact_top=3)
+    reasons = dict(result.dropped)
+    assert any(r.startswith("SP with model.quantization") for r in reasons), reasons
+    assert any(r.startswith("offload_param with model.quantization") for r in reasons), reasons
+    assert result.scored and all(s.config.sp == 1 and s.config.tp == 1 and not s.config.offload_param
+                                 for s in result.scored)
