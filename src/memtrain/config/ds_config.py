@@ -70,6 +70,13 @@ def offload_device(cfg: dict, what: str) -> str:
     return "none" if device == AUTO else device
 
 
+def engine_dtype(cfg: dict) -> str:
+    """The dtype DeepSpeed computes in, from a resolved JSON (its bf16/fp16 "auto"s filled)."""
+    if get(cfg, "bf16.enabled") is True:
+        return "bfloat16"
+    return "float16" if get(cfg, "fp16.enabled") is True else "float32"
+
+
 # --------------------------------------------------------------------------- what DeepSpeed defines
 
 @functools.lru_cache(maxsize=None)

@@ -72,6 +72,31 @@ class LoraSection(_Strict):
     too."""
 
 
+class QuantizationSection(_Strict):
+    """A 4-bit base under the adapters (QLoRA, bitsandbytes): every linear layer but the output head is stored in 4
+    bits and frozen (memtrain.model.quantize)."""
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # hashable: part of a planner key
+    bits: int = 4
+    """Bits per weight: 4 (bitsandbytes' NF4 or FP4). 8-bit bases are not supported."""
+    type: Literal["nf4", "fp4"] = "nf4"
+    """The 4-bit code: nf4 (normal float, QLoRA's) or fp4."""
+    compute_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """The dtype each 4-bit weight is dequantized to for its matmul. Default: the dtype DeepSpeed computes in."""
+    storage_dtype: Optional[Literal["uint8", "float32", "bfloat16", "float16"]] = None
+    """The dtype the packed 4-bit codes are stored as (bitsandbytes' quant_storage; the bytes are the same). ZeRO-3
+    needs the dtype DeepSpeed computes in, to partition the 4-bit weights with the rest. Default: that dtype under
+    ZeRO-3, else uint8."""
+    double_quant: bool = True
+    """Quantize each block's scale too (bitsandbytes' compress_statistics): about 0.4 bits less per weight."""
+
+    @field_validator("bits")
+    @classmethod
+    def _four_bits(cls, value):
+        if value != 4:
+            raise ValueError(f"only 4-bit bases are supported (QLoRA: nf4 or fp4), not {value}")
+        return value
+
+
 class ModelSection(_Strict):
     type: str = "llama"
     """transformers `model_type` (llama, gpt2, qwen2, mistral, ...), built with AutoConfig.for_model."""
@@ -84,6 +109,15 @@ class ModelSection(_Strict):
     lora: Optional[LoraSection] = None
     """LoRA adapters instead of training every weight (memtrain.model.lora); train.trainable adds parameters
     that train beside the adapters, train.frozen takes some out."""
+    quantization: Optional[QuantizationSection] = None
+    """QLoRA: the base's linear layers in 4 bits (memtrain.model.quantize); needs model.lora."""
+
+    @model_validator(mode="after")
+    def _adapters_on_a_quantized_base(self):
+        if self.quantization is not None and self.lora is None:
+            raise ValueError("model.quantization needs model.lora: a 4-bit base cannot train itself (its weights are frozen codes); add model.lora "
+                             "(QLoRA), or leave model.quantization unset to fine-tune every weight")
+        return self
 
 
 class ShareGPTKeys(_Strict):

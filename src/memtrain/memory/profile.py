@@ -56,6 +56,7 @@ class ActivationProfile:
     head_net: int  # left alive after the head's backward (gradient of the last hidden states, ...)
     tail_excess: int  # peak after the first layer's backward (embedding backward)
     largest_block: int  # the largest single allocation of the step
+    quantized_sizes: tuple[tuple[int, int], ...] = ()  # model.quantization: (elements, how many) of the 4-bit weights
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +101,22 @@ def _param_shapes(model, num_layers: int) -> tuple[int, int, tuple[tuple[int, in
     total = sum(numel * count for numel, count in sizes.items())
     largest = max(sum(p.numel() for p in m.parameters(recurse=m is layers[0])) for m in model.modules())
     return total, largest, tuple(sorted(sizes.items()))
+
+
+def _quantized_shapes(model, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """From a 1-layer model: (elements, how many) of the weights a 4-bit base stores in 4 bits over the num_layers
+    model (memtrain.model.quantize.quantized_layers)."""
+    from collections import Counter
+
+    from memtrain.model.build import decoder_layers
+    from memtrain.model.quantize import quantized_layers
+
+    layer_path, _ = decoder_layers(model)
+    sizes: Counter = Counter()
+    for path in quantized_layers(model):
+        inside = path.startswith(layer_path + ".0.")
+        sizes[model.get_submodule(path).weight.numel()] += num_layers if inside else 1
+    return tuple(sorted(sizes.items()))
 
 
 MODULES = "modules:"  # a measured mode: "modules:mlp.act_fn|self_attn.q_proj", paths inside a layer
@@ -322,6 +339,7 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> Activati
     with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
         model = fake_model(config, 1, target)
         num_params, largest, param_sizes = _param_shapes(model, config.num_hidden_layers)
+        quantized = _quantized_shapes(model, config.num_hidden_layers) if target.quantization is not None else ()
         layer = decoder_layers(model)[1][0]  # sublayer modes only where the layer has the sublayer (not OPT's MLP)
         modes = tuple(m for m in modes if m not in (ATTN, MLP) or find_sublayer(layer, m) is not None)
         for mode in modes:
@@ -351,6 +369,7 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> Activati
         head_net=head_net,
         tail_excess=_peak(run, "bwd_end0", "end") - _live(run, "bwd_end0"),
         largest_block=max(r["largest_block"] for r in (*runs.values(), *deeper)),
+        quantized_sizes=quantized,
     )
 
 

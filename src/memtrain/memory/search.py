@@ -72,6 +72,8 @@ def _layout_reason(recipe, config, world: int, tp: int, sp: int, sp_ok) -> Optio
         return f"TP does not divide the attention heads ({heads}) and KV heads ({kv})"
     if tp > 1 and recipe.model.lora is not None:
         return "TP with model.lora (memtrain refuses AutoTP over peft's layers)"
+    if sp > 1 and recipe.model.quantization is not None:
+        return "SP with model.quantization (memtrain refuses Ulysses over a 4-bit base: untested)"
     if heads % sp:
         return f"SP does not divide the attention heads ({heads})"
     if recipe.data.seq_len % sp:
@@ -119,6 +121,9 @@ def _variant(s: Setting, fam: Family, config, variant, micro_batches, result: Se
     stage, offload_opt, offload_param = variant
     if fam.sp > 1 and stage == 0:
         result.dropped["SP with ZeRO-0 (Ulysses needs ZeRO >= 1)"] += len(micro_batches)
+        return
+    if offload_param and fam.target.quantization is not None:
+        result.dropped["offload_param with model.quantization (memtrain refuses it: untested)"] += len(micro_batches)
         return
     ds = variant_ds(fam.ds, stage, offload_opt, offload_param)
     states = model_states(fam.profile, ds, fam.target)

@@ -28,6 +28,7 @@ class ModelStates:
     host: int  # offloaded to host memory (not part of the device peak)
     reduce_buckets: int = 0  # ZeRO-1/2 ipg reduce buckets: live from the first gradient to the end of the backward
     reduce_scratch: int = 0  # ZeRO-1/2: the flattened copy of one bucket while it is reduced (backward only)
+    dequantized: int = 0  # a 4-bit base: the weight bitsandbytes dequantizes for one matmul (forward and backward)
 
     @property
     def backward(self) -> int:
@@ -37,7 +38,40 @@ class ModelStates:
     @property
     def total(self) -> int:
         """What is on the device through the forward and backward."""
-        return self.params + self.grads + self.optimizer + self.buckets + self.persistent + self.gathered
+        return self.params + self.grads + self.optimizer + self.buckets + self.persistent + self.gathered + \
+            self.dequantized
+
+
+QUANT_BLOCK = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights (Params4bit's default on CPU and CUDA)
+NESTED_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bits in blocks of 256, one fp32 scale each
+
+
+def quantized_weight_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
+    """bitsandbytes' bytes for one 4-bit weight of `numel` elements: (the packed codes, its quant state).
+
+    The codes: two a byte, whatever the storage dtype (quant_storage only reinterprets them). The quant state
+    (bitsandbytes.functional.quantize_4bit): an fp32 absmax per block of 64 and the 16-entry fp32 code; with double
+    quantization the absmaxes are uint8 instead, plus an fp32 scale per 256 of them, the 256-entry fp32 code of that
+    8-bit quantization and an fp32 offset."""
+    blocks = -(-numel // QUANT_BLOCK)
+    state = 16 * 4
+    if double_quant:
+        state += blocks + 4 * -(-blocks // NESTED_BLOCK) + 256 * 4 + 4
+    else:
+        state += 4 * blocks
+    return -(-numel // 2), state
+
+
+def quantized_base(profile: "ActivationProfile", target: Target) -> tuple[int, int, int]:
+    """A 4-bit base (model.quantization): (its 4-bit weights' elements, their packed bytes, their quant states'
+    bytes); zeros without one."""
+    if target.quantization is None:
+        return 0, 0, 0
+    elements = packed = state = 0
+    for numel, count in profile.quantized_sizes:
+        codes, extra = quantized_weight_bytes(numel, target.quantization.double_quant)
+        elements, packed, state = elements + numel * count, packed + codes * count, state + extra * count
+    return elements, packed, state
 
 
 def persistent_elements(profile: "ActivationProfile", zero) -> int:
@@ -86,7 +120,10 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     mixed = c < 4
     master = 4 if (stage >= 1 or mixed) else 0
 
-    params = c * n // (world if stage == 3 else 1)
+    # a 4-bit base: its linear weights two a byte (partitioned with the rest under ZeRO-3), their quant states whole on
+    # every rank (not parameters: DeepSpeed never sees them); the rest in the compute dtype
+    q, packed, quant_state = quantized_base(profile, target)
+    params = (c * (n - q) + packed) // (world if stage == 3 else 1) + quant_state
     # ZeRO-1 with overlap_comm reduces in the gradient hooks as ZeRO-2 does, freeing each .grad once
     # it is in a bucket: only this rank's partition stays (measured, DeepSpeed 0.19.8, 2 ranks)
     grads = c * t // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
@@ -100,6 +137,8 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
         # the unit ZeRO-3 gathers at once is a whole decoder layer (memtrain.config.zero3 makes layers leaf
         # modules), plus the prefetch bucket
         gathered = c * (profile.largest_layer_params + min(zero.prefetch_bucket_size, n))
+        if q:  # a layer's 4-bit weights gather at half a byte each
+            gathered -= int((c - 0.5) * q / max(profile.num_layers, 1))
         if resident(ds_config, world):  # memtrain.config.zero3: every parameter persists, nothing is gathered
             gathered = 0
         elif keeps_gathered(zero, n, world):
@@ -134,7 +173,9 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     if offload_param:
         host += params
         params = 0
+    # bitsandbytes dequantizes a 4-bit weight whole in the compute dtype for each matmul (forward and backward)
+    dequantized = c * max((numel for numel, _ in profile.quantized_sizes), default=0)
     return ModelStates(params, grads, optimizer, buckets, persistent, gathered, update, host,
-                       reduce_buckets, reduce_scratch)
+                       reduce_buckets, reduce_scratch, dequantized)
 
 

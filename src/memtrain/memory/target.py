@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from memtrain.config.ds_config import AUTO
-from memtrain.config.recipe import LoraSection
+from memtrain.config.recipe import LoraSection, QuantizationSection
 from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 
 
@@ -29,6 +29,7 @@ class Target:
     all_params: int = 0  # ... of this many (memtrain.model.freeze); gradients and optimizer states scale by the ratio
     lora: Optional[LoraSection] = None  # model.lora: the measured layers carry the adapters (memtrain.model.lora)
     packed: bool = False  # rows pack whole samples, positions restarting (data.format chat/instruction)
+    quantization: Optional[QuantizationSection] = None  # model.quantization: a 4-bit base (memtrain.model.quantize)
 
     def trained(self, n: int) -> int:
         """Of `n` parameter elements (the whole model, or one TP rank's shards), those that train."""
@@ -40,6 +41,7 @@ class Target:
         """Plain JSON values (make plan --json): the LoRA section as the recipe writes it."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["lora"] = None if self.lora is None else self.lora.model_dump(mode="json")
+        d["quantization"] = None if self.quantization is None else self.quantization.model_dump(mode="json")
         return d
 
     @property
@@ -85,7 +87,7 @@ def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] 
                   loss=recipe.train.loss if tp <= 1 else "standard",  # AutoTP: memtrain.train.long_context
                   tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
                   partition=spec.partition_activations, trainable_params=trainable, all_params=total,
-                  lora=recipe.model.lora, packed=builds_packed_mask(recipe))
+                  lora=recipe.model.lora, packed=builds_packed_mask(recipe), quantization=recipe.model.quantization)
 
 
 def builds_packed_mask(recipe) -> bool:

@@ -32,6 +32,9 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{config_path}: damaged ({type(e).__name__}: {first}): the recipe the run trained with is "
                         "unknown, so its model cannot be rebuilt; restore config.json from a copy") from None
+    if recipe.model.quantization is not None:
+        raise UserError(f"{run_dir}: export of a QLoRA run (model.quantization) is not supported: its checkpoints hold "
+                        "the 4-bit base without bitsandbytes' quant state; use the run's final/ (written at its end)")
     checkpoint_dir = RunDir(run_dir).checkpoints
     tags = sorted(p.name for p in checkpoint_dir.glob(f"{checkpoint.TAG_PREFIX}*") if p.is_dir())
     if not tags:

@@ -194,6 +194,8 @@ def format_report(r: dict) -> str:
         "",
         f"model states per device: {g(ms['total'])} GiB = parameters {g(ms['params'])} + gradients {g(ms['grads'])}"
         f" + optimizer states {g(ms['optimizer'])}"
+        + (f" + one 4-bit weight dequantized for its matmul {g(ms['dequantized'])} (parameters: the 4-bit base at "
+           "half a byte a weight and its quant state)" if ms.get("dequantized") else "")
         + (f" + ZeRO-3 reduce bucket {g(ms['buckets'])} + persistent parameters {g(ms['persistent'])}"
            f" + gathered parameters {g(ms['gathered'])}" if r["zero_stage"] == 3 else "")
         + (f"; in the backward: ZeRO-{r['zero_stage']} reduce buckets {g(ms['reduce_buckets'])}"

@@ -53,11 +53,15 @@ def _set_rng_state(state: dict) -> None:
 def weights_finite(engine) -> bool:
     """Every parameter element on every rank is finite: one max-abs per local tensor (torch._foreach_norm with
     ord=inf, which cannot overflow as a 2-norm can), one all-reduce of the count of bad tensors, one host read.
-    Run before a save only, never per step. Under ZeRO-3 a rank's parameters are its partitions (`ds_tensor`)."""
+    Run before a save only, never per step. Under ZeRO-3 a rank's parameters are its partitions (`ds_tensor`).
+    A 4-bit base's packed weights (bitsandbytes' Params4bit, which carry a quant_state) are codes, not numbers, and
+    frozen: skipped."""
     import deepspeed.comm as dist
 
     by_device: dict = {}
     for p in engine.module.parameters():
+        if hasattr(p, "quant_state"):
+            continue
         local = getattr(p, "ds_tensor", None)
         local = p.data if local is None else local
         if local.numel():
@@ -197,7 +201,10 @@ def load(engine, checkpoint_dir: Path, point: Optional["ResumePoint"] = None) ->
     point = point or chosen_point(checkpoint_dir)
     tag = point.tag
     if point.world_size == dist.get_world_size():
-        _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        # a 4-bit base's saved module state holds bitsandbytes' quant-state entries beside each weight, which its
+        # Linear4bit does not load (the base is frozen and quantized again the same way; preflight checked the names)
+        strict = not any(hasattr(p, "quant_state") for p in engine.module.parameters())
+        _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag, load_module_strict=strict)
     else:
         client_state = _load_universal(engine, checkpoint_dir / tag)
     rng_file = checkpoint_dir / tag / f"rng_rank{dist.get_rank()}.pt"

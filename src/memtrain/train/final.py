@@ -103,6 +103,10 @@ def save_final(engine, model, out: Path, recipe, model_factory: Callable) -> Non
     if dist.get_rank() == 0:
         from memtrain.model.freeze import saved_with_adapters
 
+        if recipe.model.quantization is not None:  # the base as it trained: each 4-bit weight dequantized
+            from memtrain.model.quantize import dequantized_state
+
+            state = dequantized_state(model, state)
         write_model(model_factory, recipe, state, out, saved_with_adapters(
             model, recipe.model.lora, recipe.train.trainable, recipe.train.frozen))
     dist.barrier()

@@ -41,6 +41,8 @@ from memtrain.model import eval_data
 from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
                                        model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
 from memtrain.train import ds_checks, ds_log, rng
+from memtrain.train.qlora_checks import check_quantized_base
+from memtrain.model.quantize import packed_shapes
 from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile, leaf_names_layer
 from memtrain.errors import NodeError, UserError, cli_entry, is_rank_zero
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
@@ -498,7 +500,8 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     check_autotp_model(args.ds_config, source, model)
     rng.check(config, model, tp_size(args.ds_config), source)  # dropout masks AutoTP's shards can take
     if resume is not None and is_rank_zero():  # rank 0 decides the checkpoint every rank loads (checkpoint.load)
-        check_shapes(args.run_dir / "checkpoints" / resume.tag, model)
+        check_shapes(args.run_dir / "checkpoints" / resume.tag, model,
+                     packed_shapes(model) if recipe.model.quantization is not None else None)
     hidden = model_hidden_size(config)
     needs_model = [a.key for a in AUTO_KEYS if a.needs_model and get(args.ds_config, a.key) == AUTO]
     if needs_model and hidden is None:
@@ -507,6 +510,7 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
     resolved = zero3.apply(resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), plan.checkpoint_calls,
                                              hidden_size=hidden))
     deepspeed_accepts(args.ds_config, resolved, source, recipe)
+    check_quantized_base(resolved, recipe, source, compiled.on)  # QLoRA: what a 4-bit base cannot run with
     plan = with_expected_bytes(plan, config, recipe, resolved)
     prediction = memory_plan.prediction if memory_plan is not None else predict_run(
         recipe, args.ds_config, world_size, plan, config)

@@ -76,8 +76,9 @@ def _status(run_dir: Path) -> str:
     return f"summary.json says {summary['status']} after {summary['steps']} steps; "
 
 
-def check_shapes(step_dir: Path, model) -> None:
-    """The checkpoint's parameters must be the model's, name for name and shape for shape.
+def check_shapes(step_dir: Path, model, packed: Optional[dict] = None) -> None:
+    """The checkpoint's parameters must be the model's, name for name and shape for shape (`packed`: a 4-bit base's
+    weights, any of the shapes bitsandbytes packs them in: memtrain.model.quantize.packed_shapes).
 
     DeepSpeed records every trained parameter's shape in the model states file (`param_shapes`) and, under
     ZeRO-2/3, every frozen one's (`frozen_param_shapes`: train.frozen, LoRA's base weights); it is loaded
@@ -100,7 +101,8 @@ def check_shapes(step_dir: Path, model) -> None:
         if name not in saved:
             raise UserError(f"--resume: {path}: has no parameter '{name}', which this recipe's model has; "
                             "the recipe's model differs from the run's (model.*)")
-        if saved[name] != shape and not _shard_of(saved[name], shape, tp):
+        if saved[name] != shape and not _shard_of(saved[name], shape, tp) and \
+                saved[name] not in (packed or {}).get(name, ()):
             raise UserError(f"--resume: {path}: '{name}' has shape {list(saved[name])} in the model checkpoint "
                             f"but {list(shape)} in this recipe's model; the recipe's model differs from the run's (model.*)")
     extra = sorted(set(saved) - set(model.state_dict()))  # a state dict (stage 0) also holds buffers

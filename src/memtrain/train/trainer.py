@@ -26,6 +26,7 @@ from memtrain.model.eval_data import batches_per_rank, prepare_eval_data
 from memtrain.model.freeze import freeze
 from memtrain.model.lora import add_lora, trainable_patterns
 from memtrain.model.zero_init import build_model_zero3
+from memtrain.model.quantize import quantize_for_engine
 from memtrain.recompute import partition
 from memtrain.recompute.compiled import CompiledLayers, CompileWatch, compile_line, compile_seconds
 from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
@@ -595,10 +596,13 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
 
     rng.seed_everything(recipe.train.seed)  # the same initial weights on every rank
     stage = zero_stage(ds_config)
-    if stage == 3:  # built partitioned, with transformers' own initialisation
+    quantization = recipe.model.quantization
+    if stage == 3 and quantization is None:  # built partitioned, with transformers' own initialisation
         model = build_model_zero3(recipe.model, config, ds_config)
-    else:
+    else:  # a 4-bit base is built whole, then quantized; deepspeed.initialize partitions it (as transformers does)
         model = build_model(recipe.model, config)
+    if quantization is not None:
+        quantize_for_engine(model, quantization, ds_config)
     if recipe.model.lora is not None:  # adapters in place; deepspeed.initialize partitions them under ZeRO-3
         add_lora(model, recipe.model.lora)
     # before DeepSpeed sees which parameters train; model.lora.modules_to_save's train whole, in place

@@ -47,13 +47,14 @@ SMOKE_STEPS, SMOKE_WARMUP = 2, 1
 SEARCH_LIMIT = 256  # micro-batches beyond this are not probed
 # the plain-PyTorch and DeepSpeed peers, memtrain with leaf layers and one-GPU residency (its default), the same
 # without them (`-leaf-resident`: how memtrain ran before memtrain.config.zero3), and compiled layers (`+compile`:
-# train.compile, which `train.compile: auto` reads back from this run's JSON), all in one run
+# train.compile, which `train.compile: auto` reads back from this run's JSON), and LoRA beside QLoRA (a 4-bit base,
+# multi-GPU under ZeRO-3 when the machine has several), all in one run
 GPU_CHECK_SETUPS = ("torch:noac", "torch:hf-ac", "torch:sac", "deepspeed:cpu-ckpt",
                     "memtrain:none", "memtrain:full", "memtrain:full@deepspeed", "memtrain:full+offload",
                     "memtrain:op", "memtrain:auto",
                     "memtrain:none-leaf-resident", "memtrain:full+offload-leaf-resident", "memtrain:op-leaf-resident",
                     "memtrain:none+compile", "memtrain:full+offload+compile", "memtrain:op+compile",
-                    "memtrain:auto+compile")
+                    "memtrain:auto+compile", "memtrain:full+lora", "memtrain:full+qlora")
 GPU_CHECK_STEPS, GPU_CHECK_WARMUP = 20, 10  # 30 steps each
 # DeepSpeed 0.19.8's own cpu_checkpointing loses the checkpoint on a CPU accelerator: its copy "to CPU"
 # returns the same tensor, whose storage it then empties. It can only run on a GPU.

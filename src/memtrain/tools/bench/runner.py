@@ -17,7 +17,7 @@ from typing import Optional
 
 from memtrain.config.ds_config import load_ds_config
 from memtrain.config.recipe import load_recipe
-from memtrain.tools.bench.setups import parse_setup
+from memtrain.tools.bench.setups import ADAPTERS, parse_setup
 from memtrain.tools.sweep_points import free_port
 from memtrain.train.run_dir import RunDir
 
@@ -75,6 +75,7 @@ class Runner:
             if setup.backend != "auto":
                 overrides.append(f"activation_checkpointing.backend={setup.backend}")
             overrides.append(f"train.compile={str(setup.compiled).lower()}")
+            overrides += ADAPTERS[setup.adapters]
             if self.ngpus > 1:
                 launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(self.ngpus),
                             "--master_port", str(free_port())]

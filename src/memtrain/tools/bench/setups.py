@@ -12,7 +12,9 @@
   the checkpoint backend (default: the recipe's, normally `auto`); `+compile` sets `train.compile: true`
   (each layer under torch.compile, memtrain.recompute.compiled). `-leaf` keeps ZeRO-3's hooks on
   every submodule (the JSON names no leaf module) and `-resident` turns one-rank residency off (the
-  JSON's persistence threshold is 0): the set-ups as they ran before memtrain.config.zero3.
+  JSON's persistence threshold is 0): the set-ups as they ran before memtrain.config.zero3. A last `+lora` trains
+  LoRA adapters (r 16 on every linear layer) on the frozen base, `+qlora` the same on a 4-bit NF4 base
+  (`model.quantization`; under ZeRO-3 its codes are stored in the dtype DeepSpeed computes in).
 
 Plain PyTorch set-ups (`bench/plain.py`) keep float32 master weights under bf16 autocast (when
 the GPU has bf16) with fused AdamW; the others run the trainer on the DeepSpeed JSON
@@ -31,7 +33,10 @@ BASELINE = "torch:noac"
 _PLAIN = {"noac": "no activation checkpointing", "hf-ac": "transformers gradient_checkpointing_enable",
           "sac": "torch selective AC (save matmul + attention)"}
 HELP = ("torch:noac | torch:hf-ac | torch:sac | deepspeed:cpu-ckpt | "
-        "memtrain:<policy>[+offload][@torch|@deepspeed][+compile][-leaf][-resident]")
+        "memtrain:<policy>[+offload][@torch|@deepspeed][+compile][-leaf][-resident][+lora|+qlora]")
+# the recipe keys each adapter set-up adds (memtrain.model.lora, memtrain.model.quantize)
+ADAPTERS = {"": (), "lora": ("model.lora.r=16", "model.lora.alpha=32", "model.lora.target_modules=all-linear")}
+ADAPTERS["qlora"] = (*ADAPTERS["lora"], "model.quantization.type=nf4")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Setup:
     leaf: bool = True       # memtrain's ZeRO-3 leaf layers (memtrain.config.zero3)
     resident: bool = True   # memtrain's one-rank residency
     compiled: bool = False  # train.compile: true
+    adapters: str = ""      # "" (every weight trains), "lora" or "qlora" (ADAPTERS)
 
     @property
     def label(self) -> str:
@@ -56,7 +62,8 @@ class Setup:
         backend = "" if self.backend == "auto" else f" ({self.backend} checkpoint)"
         zero3 = [what for what, on in (("no leaf layers", self.leaf), ("not resident", self.resident)) if not on]
         compiled = ", compiled" if self.compiled else ""
-        return f"trainer, policy '{self.ac}'{backend}{offload}{compiled}" + "".join(f", {z}" for z in zero3)
+        adapters = {"": "", "lora": ", LoRA", "qlora": ", QLoRA (4-bit NF4 base)"}[self.adapters]
+        return f"trainer, policy '{self.ac}'{backend}{offload}{compiled}{adapters}" + "".join(f", {z}" for z in zero3)
 
 
 def parse_setup(name: str) -> Setup:
@@ -66,7 +73,8 @@ def parse_setup(name: str) -> Setup:
     if kind == "deepspeed" and rest == "cpu-ckpt":
         return Setup(name, trainer=True, ac="full", cpu_checkpointing=True, impl="deepspeed")
     if kind == "memtrain" and rest:
-        flags = {}
+        flags = {"adapters": next((a for a in ("qlora", "lora") if rest.endswith(f"+{a}")), "")}
+        rest = rest.removesuffix(f"+{flags['adapters']}") if flags["adapters"] else rest
         for flag in ("resident", "leaf"):
             flags[flag] = not rest.endswith(f"-{flag}")
             rest = rest.removesuffix(f"-{flag}")
