@@ -43,7 +43,7 @@ from memtrain.model.zero_init import build_model_zero3
 from memtrain.recompute import partition
 from memtrain.train import parallel
 from memtrain.train import rng
-from memtrain.train.preflight import check_host_memory, check_run
+from memtrain.train.preflight import check_host_memory, resolve_run
 from memtrain.train import long_context
 from memtrain.train import gloo_env, signals
 from memtrain.train.node import agent_ranks
@@ -304,7 +304,7 @@ def _start(args: RunArgs, progress: RunPosition) -> _Run:
     set_local_device()  # before validation: policy auto times this rank's own device
 
     # --- validate everything before any distributed work: the same check `make train` runs first
-    checked = check_run(args, world)
+    checked = resolve_run(args, world)
     config, plan = checked.config, checked.plan
 
     # --- distributed set-up
