@@ -1,6 +1,6 @@
 """Every bad input is one stderr line naming the file and key path, exit 2, before any worker starts.
 
-Most cases call the preflight check in-process (`memtrain.train.preflight.main`, the same `check_run`
+Most cases call the preflight check in-process (`memtrain.train.preflight.main`, the same `resolve_run`
 the trainer calls in every worker); two go through real subprocesses to show there is exactly
 one line and no traceback, and that no run directory appears.
 """
@@ -133,7 +133,7 @@ def test_data_without_usable_text(capsys, tmp_path):
 def test_op_policy_with_reentrant_backend(capsys, tmp_path):
     path = _ds(tmp_path, lambda c: c["activation_checkpointing"].update(partition_activations=True))
     # no TP group and a CPU run: neither key takes effect, so 'auto' keeps torch's checkpoint and op-level runs
-    checked = validate.check_run(parse_args(["--deepspeed", path, *_set("activation_checkpointing.policy=op")]), 2)
+    checked = validate.resolve_run(parse_args(["--deepspeed", path, *_set("activation_checkpointing.policy=op")]), 2)
     assert checked.plan.backend == "torch" and set(checked.plan.layers) == {"op"}
     line = _error(capsys, _set("activation_checkpointing.policy=op", "activation_checkpointing.backend=deepspeed"))
     assert "activation_checkpointing.policy: 'op'" in line and "activation_checkpointing.backend" in line
@@ -159,7 +159,7 @@ def test_run_directory_rules(capsys, tmp_path):
 def test_legal_but_useless_settings_warn(tmp_path):
     path = _ds(tmp_path, lambda c: (c["activation_checkpointing"].update(partition_activations=True),
                                     c.update(my_note="hi"), c["optimizer"]["params"].update(lr=1e-3)))
-    checked = validate.check_run(parse_args(["--deepspeed", path]), 2)
+    checked = validate.resolve_run(parse_args(["--deepspeed", path]), 2)
     # no tensor-parallel group and a CPU run: both keys are no-ops, each with its one plan line
     assert checked.plan.notes == (
         "partition_activations: nothing to shard: no tensor-parallel group (tensor_parallel.autotp_size is 1) "

@@ -244,16 +244,16 @@ def test_node_errors_print_once_per_node_and_launch(monkeypatch, capsys):
 
 
 def test_a_data_path_this_node_cannot_see_is_a_node_error(tmp_path):
-    """check_run names the recipe in front of a data error; the error stays a NodeError (printed by the rank whose
+    """resolve_run names the recipe in front of a data error; the error stays a NodeError (printed by the rank whose
     node lacks the file, not only by rank 0)."""
     import pytest
 
     from memtrain.config.args import parse_args
     from memtrain.errors import NodeError
-    from memtrain.train.preflight import check_run
+    from memtrain.train.preflight import resolve_run
 
     with pytest.raises(NodeError, match=r"embedded recipe 'tiny': data.paths\[0\]: '.*' matches no file"):
-        check_run(parse_args(["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
+        resolve_run(parse_args(["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
                               "--set", f"data.paths=[\"{tmp_path / 'node-local' / '*.txt'}\"]"]), 2)
 
 

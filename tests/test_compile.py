@@ -23,7 +23,7 @@ from memtrain.recompute.hooks import apply_plan
 from memtrain.recompute.meter import ActivationMeter
 from memtrain.recompute.policy import plan_for
 from memtrain.train.compile_choice import choose_compile
-from memtrain.train.preflight import check_run
+from memtrain.train.preflight import resolve_run
 
 @pytest.fixture(scope="module", autouse=True)
 def fresh_dynamo():
@@ -235,7 +235,7 @@ def test_what_cannot_compose_is_one_line_naming_its_key(tmp_path, argv, world, e
     args = parse_args(["--deepspeed", DS, *argv, "--set", "train.compile=true",
                        "--set", "activation_checkpointing.modules=[model.layers.*.mlp]"])
     with pytest.raises(UserError) as e:
-        check_run(args, world)
+        resolve_run(args, world)
     message = str(e.value)
     assert message.startswith("embedded recipe 'tiny': train.compile: true cannot be combined with"), message
     assert expected in message and "\n" not in message
@@ -252,8 +252,22 @@ def _leaf_json(tmp_path, classes: str) -> str:
 
 def test_a_json_that_makes_the_decoder_layer_its_leaf_compiles(tmp_path):
     path = _leaf_json(tmp_path, '["LlamaDecoderLayer"]')
-    checked = check_run(parse_args(["--deepspeed", path, "--set", "train.compile=true"]), 2)
+    checked = resolve_run(parse_args(["--deepspeed", path, "--set", "train.compile=true"]), 2)
     assert checked.compile.on and not checked.zero3.leaf_layers  # the JSON decided, and named the layer
+
+
+@pytest.mark.parametrize("classes, backend", [('["LlamaDecoderLayer"]', "torch"), ("[]", "deepspeed")],
+                         ids=["json-leaf-layer", "json-no-leaf"])
+def test_make_plan_names_the_checkpoint_backend_the_run_writes(tmp_path, capsys, classes, backend):
+    """A JSON that names its own ZeRO-3 leaf modules: make plan --json's checkpoint backend is the one the run
+    records in config.json (its ac_plan: resolve_run's plan). Hooks inside each layer (no leaf) take DeepSpeed's
+    reentrant checkpoint under backend auto; the layer as the JSON's leaf keeps torch's."""
+    from memtrain.tools.plan import main
+
+    path = _leaf_json(tmp_path, classes)
+    main(["--deepspeed", path, "--ngpus", "2", "--json"])
+    planned = json.loads(capsys.readouterr().out)["ac_backend"]
+    assert planned == resolve_run(parse_args(["--deepspeed", path]), 2).plan.to_dict()["backend"] == backend
 
 
 def test_a_sublayers_offload_cannot_compose():
@@ -265,10 +279,10 @@ def test_a_sublayers_offload_cannot_compose():
 
 
 def test_the_plan_says_memory_is_predicted_for_eager_layers():
-    checked = check_run(parse_args(["--deepspeed", DS, "--set", "train.compile=true"]), 2)
+    checked = resolve_run(parse_args(["--deepspeed", DS, "--set", "train.compile=true"]), 2)
     assert checked.compile.on and "planned for eager layers" in checked.compile.line
     assert any(note.startswith("train.compile: predicted for eager layers") for note in checked.prediction.notes)
-    assert not check_run(parse_args(["--deepspeed", DS]), 2).compile.line
+    assert not resolve_run(parse_args(["--deepspeed", DS]), 2).compile.line
 
 
 def test_make_plan_says_its_figures_are_eager_layers(capsys):

@@ -24,7 +24,7 @@ from memtrain.config.args import parse_args
 from memtrain.config.ds_config import auto_paths, model_hidden_size, resolve_ds_config
 from memtrain.errors import UserError
 from memtrain.tools.tb import read_scalars
-from memtrain.train.preflight import check_run
+from memtrain.train.preflight import resolve_run
 
 CORPUS = ROOT / "tests" / "ds_corpus"
 STEPS = ["--max-steps", "3"]
@@ -81,11 +81,11 @@ def test_preflight_decides_each_json(name):
     args = parse_args(argv)
     if expect[0] == "reject":
         with pytest.raises(UserError) as e:
-            check_run(args, 2)
+            resolve_run(args, 2)
         line = str(e.value)
         assert "\n" not in line and line.startswith(f"{CORPUS / name}: ") and expect[1] in line, (line, expect)
         return
-    checked = check_run(args, 2)
+    checked = resolve_run(args, 2)
     resolved = resolve_ds_config(args.ds_config, args.recipe, 2, ROOT / "runs" / "never",
                                  len(checked.plan.offload_units), hidden_size=model_hidden_size(checked.config))
     assert auto_paths(resolved) == [], f"{name}: \"auto\" left in the resolved JSON"
@@ -273,7 +273,7 @@ def test_stale_build_lock_is_cleared_live_one_kept(tmp_path, monkeypatch):
     import subprocess
     import time
 
-    from memtrain.train.ds_checks import clear_stale_build_locks
+    from memtrain.config.ds_checks import clear_stale_build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     old = time.time() - 300
@@ -299,7 +299,7 @@ def test_on_a_shared_filesystem_a_lock_is_stale_only_when_its_folder_is_quiet(tm
     import time
     from pathlib import Path
 
-    from memtrain.train.ds_checks import SHARED_MIN_QUIET_S, clear_stale_build_locks, filesystem_type
+    from memtrain.config.ds_checks import SHARED_MIN_QUIET_S, clear_stale_build_locks, filesystem_type
 
     assert filesystem_type(Path("/proc/self")) == "proc"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))

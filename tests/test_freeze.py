@@ -60,12 +60,12 @@ def test_lora_or_frozen_weights_on_a_random_base_warn_in_the_plan():
     from memtrain.config.args import parse_args
 
     for flags, key in ((["model.lora.r=8"], "model.lora"), (["train.frozen=[model.embed_tokens.*]"], "train.frozen")):
-        warnings = preflight.check_run(parse_args([a for f in flags for a in ("--set", f)]), 1).warnings
+        warnings = preflight.resolve_run(parse_args([a for f in flags for a in ("--set", f)]), 1).warnings
         assert [w for w in warnings if "randomly initialised" in w] == [
             f"{key}: the base model is randomly initialised (no model.pretrained), so the weights that train adapt "
             "noise: this fine-tunes nothing; set model.pretrained to a local transformers directory (fine for testing "
             "the pipeline)"]
-    assert not [w for w in preflight.check_run(parse_args([]), 1).warnings if "randomly initialised" in w]
+    assert not [w for w in preflight.resolve_run(parse_args([]), 1).warnings if "randomly initialised" in w]
 
 
 def test_freeze_leaves_no_gradient_and_keeps_the_first_layers_gradient_with_a_frozen_embedding():

@@ -188,10 +188,10 @@ def test_dora_under_zero3_and_a_trainable_adapted_weight_are_one_line_before_any
 
     zero3 = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json")]
     with pytest.raises(UserError, match=r"zero_optimization.stage: 3 cannot train the recipe's model.lora.use_dora: "):
-        preflight.check_run(parse_args([*zero3, "--set", "model.lora.use_dora=true"]), 2)
+        preflight.resolve_run(parse_args([*zero3, "--set", "model.lora.use_dora=true"]), 2)
     with pytest.raises(UserError, match=r"^embedded recipe 'tiny': train.trainable: model.layers.0.self_attn.q_proj."
                                         r"base_layer.weight trains beside the LoRA adapters but sits in "):
-        preflight.check_run(parse_args([*zero3, "--set", "model.lora.target_modules=[q_proj]", "--set",
+        preflight.resolve_run(parse_args([*zero3, "--set", "model.lora.target_modules=[q_proj]", "--set",
                                         "train.trainable=[model.layers.0.self_attn.q_proj.base_layer.weight]"]), 2)
 
 

@@ -170,7 +170,7 @@ def test_written_plan_validates_and_its_memory_is_make_plans(tmp_path):
     from memtrain.memory.target import make_target, model_and_config
     from memtrain.tools.plan import plan_report
     from memtrain.tools.plan_search import write_plan
-    from memtrain.train.preflight import check_run
+    from memtrain.train.preflight import resolve_run
 
     recipe = _tiny()
     for memory, check_make_plan in (("0.5GiB", True), ("0.012GiB", False)):  # everything kept; recompute needed
@@ -187,7 +187,7 @@ def test_written_plan_validates_and_its_memory_is_make_plans(tmp_path):
         if check_make_plan:  # preflight plans `policy: auto` for this machine (CPU: fp32), the plan is for GPUs (bf16)
             args = parse_args(["--deepspeed", str(ds_path), "--recipe", str(recipe_path), "--run-dir",
                                str(tmp_path / "run")])
-            check_run(args, 8)  # raises UserError on anything preflight refuses
+            resolve_run(args, 8)  # raises UserError on anything preflight refuses
         target = make_target(written, ds, 8, device="cuda")
         profile = profile_activations(model_and_config(written), target).scaled(best.config.micro_batch)
         assert predict(profile, model_states(profile, ds, target), best.layers).peak == best.peak

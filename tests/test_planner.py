@@ -526,7 +526,7 @@ def test_a_layer_without_an_mlp_sublayer_plans_every_other_policy():
     so every policy but selective:mlp is planned; selective:mlp is one line naming the layer's submodules."""
     from memtrain.config.args import parse_args
     from memtrain.errors import UserError
-    from memtrain.train.preflight import check_run
+    from memtrain.train.preflight import resolve_run
 
     opt = ["model.type=opt", "model.config={hidden_size: 64, ffn_dim: 128, num_hidden_layers: 2, "
            "num_attention_heads: 4, max_position_embeddings: 256, word_embed_proj_dim: 64}",
@@ -536,10 +536,10 @@ def test_a_layer_without_an_mlp_sublayer_plans_every_other_policy():
     profile = mm.profile_activations(config, mm.Target("cpu", "float32", 1, 32, 1))
     assert set(profile.layers) == {"keep", "op", "attn", "full"}
     argv = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), *sum((["--set", o] for o in opt), [])]
-    assert check_run(parse_args([*argv, "--set", "activation_checkpointing.policy=full"]), 1).plan.num_recomputed == 2
+    assert resolve_run(parse_args([*argv, "--set", "activation_checkpointing.policy=full"]), 1).plan.num_recomputed == 2
     with pytest.raises(UserError, match=r"OPTDecoderLayer has no mlp sublayer .* \(its submodules: self_attn, "
                                         r"activation_fn, self_attn_layer_norm, fc1, fc2, final_layer_norm\)"):
-        check_run(parse_args([*argv, "--set", "activation_checkpointing.policy=selective:mlp"]), 1)
+        resolve_run(parse_args([*argv, "--set", "activation_checkpointing.policy=selective:mlp"]), 1)
 
 
 @pytest.mark.parametrize("policy", ["none", "full"])

@@ -16,7 +16,7 @@ from memtrain.config.args import parse_args
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.errors import UserError
 from memtrain.model.build import build_config, build_model
-from memtrain.train.preflight import check_run
+from memtrain.train.preflight import resolve_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,7 +62,7 @@ def _check(tmp_path, *sets):
     """The preflight as every entry point runs it, in this process; the run directory it would use."""
     run = tmp_path / "run"
     argv = [*FAST, "--run-dir", str(run)] + [a for s in sets for a in ("--set", s)]
-    return check_run(parse_args(argv), 1), run
+    return resolve_run(parse_args(argv), 1), run
 
 
 def _error(tmp_path, *sets) -> str:

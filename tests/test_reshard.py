@@ -155,7 +155,7 @@ def _refusals(whole: Path, tmp_path: Path) -> None:
     args = parse_args(["--run-dir", str(run), "--resume", "--max-steps", "10", "--set", "train.grad_accum_steps=5"])
     with pytest.raises(UserError, match=r"saved after 64 samples, which is not a whole number of this launch's steps "
                                         r"of 20 samples \(train.grad_accum_steps 5 x train.micro_batch_size 4 x 1 "):
-        preflight.check_run(args, 1)
+        preflight.resolve_run(args, 1)
 
 
 def test_a_resume_on_another_batch_continues_at_the_samples_read():

@@ -21,7 +21,7 @@ from memtrain.config.args import parse_args
 from memtrain.errors import UserError
 from memtrain.tools.tb import read_scalars
 from memtrain.train.checkpoint import tag_for
-from memtrain.train.preflight import check_run
+from memtrain.train.preflight import resolve_run
 
 RUN_ARGS = [*FAST, "--max-steps", "4", "--set", "train.save_interval=2"]
 
@@ -126,7 +126,7 @@ def test_overwrite_that_fails_or_is_killed_before_its_first_checkpoint(finished,
     assert _snapshot(run / ".overwritten") == before
     with pytest.raises(UserError, match=r"--resume: no model checkpoint in .*; an interrupted --overwrite left the "
                                         r"earlier run in .*\.overwritten: move its entries back"):
-        check_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--resume"]), 1)
+        resolve_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--resume"]), 1)
 
     # ... until an --overwrite saves a model checkpoint: then, and only then, it is gone.
     assert_ok(run_train([*RUN_ARGS, "--set", "train.seed=7", "--run-dir", str(run), "--overwrite"]))
@@ -137,7 +137,7 @@ def test_overwrite_that_fails_or_is_killed_before_its_first_checkpoint(finished,
 
 
 def _resume_check(run, *extra, world=1):
-    return check_run(parse_args([*RUN_ARGS, *extra, "--run-dir", str(run), "--resume"]), world)
+    return resolve_run(parse_args([*RUN_ARGS, *extra, "--run-dir", str(run), "--resume"]), world)
 
 
 def test_resume_refuses_or_falls_back_on_each_damaged_file(finished, tmp_path):
@@ -261,7 +261,7 @@ def test_resume_continues_with_the_runs_saved_inputs(finished, tmp_path):
     assert alone.recipe.model_dump(mode="json") == saved["recipe"]  # seq_len 64, 4 steps, save_interval 2: not defaults
     assert (alone.recipe.data.seq_len, alone.recipe.train.max_steps, alone.recipe.train.save_interval) == (64, 4, 2)
     assert alone.ds_config == saved["deepspeed_as_written"] and alone.resume_changes == ()
-    assert check_run(parse_args(["--run-dir", str(run), "--resume", "--max-steps", "6"]), 1).plan is not None
+    assert resolve_run(parse_args(["--run-dir", str(run), "--resume", "--max-steps", "6"]), 1).plan is not None
 
     changed = parse_args(["--run-dir", str(run), "--resume", "--max-steps", "6", "--set", "train.lr=0.001"])
     assert changed.resume_changes == ("recipe: train.lr 0.003 -> 0.001", "recipe: train.max_steps 4 -> 6")
@@ -309,7 +309,7 @@ def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
         holder = (run / ".lock").read_text()
         assert holder.startswith(f"pid {first.pid} on ")
         with pytest.raises(UserError, match="another run is using it"):  # the preflight: before any worker starts
-            check_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--overwrite"]), 1)
+            resolve_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--overwrite"]), 1)
         argvs = [[*RUN_ARGS, "--run-dir", str(run), *flag] for flag in (["--overwrite"], ["--resume"], [])]
         proc = subprocess.run([sys.executable, "-c", MISTAKES, json.dumps(argvs)], cwd=ROOT, env=_env(),
                               capture_output=True, text=True, timeout=600)
@@ -324,7 +324,7 @@ def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
     assert first.returncode == 0, err[-3000:]
     assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
     assert not (run / ".lock").exists()  # removed as the run ended: free for the next
-    check_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--resume", "--max-steps", "100000"]), 1)
+    resolve_run(parse_args([*RUN_ARGS, "--run-dir", str(run), "--resume", "--max-steps", "100000"]), 1)
 
 
 def test_rank_0_decides_the_resume_point_and_what_follows_from_it(finished, tmp_path, monkeypatch):

@@ -189,15 +189,15 @@ def test_tensor_parallel_groups_across_nodes_warn(tmp_path, monkeypatch):
 
     args = parse_args(["--deepspeed", _ds(tmp_path, {"autotp_size": 4})])
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    spans = [w for w in preflight.check_run(args, 4).warnings if "span nodes" in w]
+    spans = [w for w in preflight.resolve_run(args, 4).warnings if "span nodes" in w]
     assert spans == [f"{tmp_path / 'ds.json'}: tensor_parallel.autotp_size 4: its groups of 4 consecutive ranks span "
                      "nodes (2 rank(s) per node), so each layer's all-reduces cross the inter-node network; use a size "
                      "that divides the ranks per node"]
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launch.py sets this one, not LOCAL_WORLD_SIZE
-    assert [w for w in preflight.check_run(args, 4).warnings if "span nodes" in w] == spans
+    assert [w for w in preflight.resolve_run(args, 4).warnings if "span nodes" in w] == spans
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert not [w for w in preflight.check_run(args, 4).warnings if "span nodes" in w]
+    assert not [w for w in preflight.resolve_run(args, 4).warnings if "span nodes" in w]
 
 
 def test_bad_autotp_size_subprocess(tmp_path):
@@ -232,15 +232,15 @@ def test_every_family_autotp_takes_trains_as_tp1(tp, family):
     lock-step (tp_worker.check_families); a family AutoTP cannot shard is one line naming why, before workers."""
     from memtrain.config.args import parse_args
     from memtrain.errors import UserError
-    from memtrain.train.preflight import check_run
+    from memtrain.train.preflight import resolve_run
 
     argv = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json"),
             *sum((["--set", o] for o in [*overrides(family), "data.random_tokens=true"]), [])]
     if family in AUTOTP_REFUSED:
         with pytest.raises(UserError, match=rf"tensor_parallel.autotp_size: DeepSpeed's AutoTP .*{AUTOTP_REFUSED[family]}"):
-            check_run(parse_args(argv), 2)
+            resolve_run(parse_args(argv), 2)
         return
-    check_run(parse_args(argv), 2)
+    resolve_run(parse_args(argv), 2)
     row = tp["families"][family]
     assert row["tp_layers"] > 0
     assert row["losses"] == pytest.approx(row["ref_losses"], rel=1e-4), row

@@ -104,7 +104,7 @@ def test_dropout_autotp_cannot_place_is_one_line(family, refused, accepted, expe
 
     from memtrain.config.args import parse_args
     from memtrain.errors import UserError
-    from memtrain.train.preflight import check_run
+    from memtrain.train.preflight import resolve_run
 
     def argv(extra: dict) -> list:
         return ["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json"),
@@ -112,5 +112,5 @@ def test_dropout_autotp_cannot_place_is_one_line(family, refused, accepted, expe
                 "--set", "data.random_tokens=true"]
 
     with pytest.raises(UserError, match=re.escape(expected)):
-        check_run(parse_args(argv(refused)), 2)
-    check_run(parse_args(argv(accepted)), 2)
+        resolve_run(parse_args(argv(refused)), 2)
+    resolve_run(parse_args(argv(accepted)), 2)

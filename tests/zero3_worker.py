@@ -2,7 +2,7 @@
 Llama, with DeepSpeed's hooks and collectives counted (memtrain.train.zero3_probe).
 
 Run by `deepspeed --num_gpus 2 tests/zero3_worker.py OUT_DIR`. For each case (JSON variant, policy,
-backend) it validates and builds exactly as `src/train.py` does (check_run -> resolve_ds_config + the
+backend) it validates and builds exactly as `src/train.py` does (resolve_run -> resolve_ds_config + the
 ZeRO-3 layout -> build_engine), runs steps on seeded random tokens and records, per step, what the
 probe counted. Rank 0 also records every parameter's full gradient after the first backward
 (`deepspeed.utils.safe_get_full_grad`, a collective on all ranks). Writes OUT_DIR/rank<r>.json.
@@ -86,7 +86,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     from memtrain.model.build import decoder_layers
     from memtrain.recompute.compiled import CompileWatch
     from memtrain.recompute.meter import ActivationMeter
-    from memtrain.train.preflight import check_run
+    from memtrain.train.preflight import resolve_run
     from memtrain.train.trainer import COMPILE_WARMUP_STEPS, build_engine
     from memtrain.train.zero3_probe import Zero3Probe
 
@@ -96,7 +96,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
                  f"train.compile={variant in ('compiled', 'offload-compiled')}"] + ([FREEZE[variant.partition("-")[0]]] if variant.partition("-")[0] in FREEZE else [])
     args = parse_args(["--deepspeed", json_for(variant, out_dir, rank), *sum((["--set", o] for o in overrides), [])])
     with as_on_a_gpu() if variant.startswith("offload") else contextlib.nullcontext():
-        checked = check_run(args, world)
+        checked = resolve_run(args, world)
     plan = checked.plan
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       plan.checkpoint_calls, hidden_size=model_hidden_size(checked.config)))
@@ -155,18 +155,18 @@ def as_on_a_gpu():
     host copies; CUDA's stream ordering of them is what tests/test_offload.py checks with DeferredCopies."""
     import dataclasses
 
-    from memtrain.train import preflight
+    from memtrain.config import recompute_spec
 
-    resolve = preflight.resolve_recompute
+    resolve = recompute_spec.resolve_recompute
 
     def on_cuda(ds_config, section, device, *args, **kwargs):
         return dataclasses.replace(resolve(ds_config, section, "cuda", *args, **kwargs), device=device)
 
-    preflight.resolve_recompute = on_cuda
+    recompute_spec.resolve_recompute = on_cuda
     try:
         yield
     finally:
-        preflight.resolve_recompute = resolve
+        recompute_spec.resolve_recompute = resolve
 
 
 def _plain_peft_grads(module, recipe, config, world, rank):
@@ -218,13 +218,13 @@ def family_steps(family, out_dir, rank, world) -> dict:
     (all-reduced by the engine's loss, the same on every rank), the plan's policy and its model lines."""
     from memtrain.config.args import parse_args
     from memtrain.config.ds_config import model_hidden_size, resolve_ds_config
-    from memtrain.train.preflight import check_run
+    from memtrain.train.preflight import resolve_run
     from memtrain.train.trainer import build_engine
 
     sets = [*overrides(family), "data.seq_len=32", "train.micro_batch_size=2", "data.random_tokens=true",
             f"activation_checkpointing.policy={FAMILY_POLICIES[family]}"]
     args = parse_args(["--deepspeed", json_for("leaf", out_dir, rank), *sum((["--set", o] for o in sets), [])])
-    checked = check_run(args, world)
+    checked = resolve_run(args, world)
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       checked.plan.checkpoint_calls,
                                                       hidden_size=model_hidden_size(checked.config)))

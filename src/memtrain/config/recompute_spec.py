@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from memtrain.config.ds_config import ac_defaults, tp_size as json_tp_size
 from memtrain.config.recipe import ACSection
+from memtrain.config.zero3 import Zero3Layout, hooks_inside_layers, zero3_layout
 from memtrain.errors import UserError
 
 # Policies whose layers run op-level recompute (torch's selective checkpoint: non-reentrant only).
@@ -163,3 +164,15 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
         number_checkpoints=ds_ac["number_checkpoints"],
         synchronize_checkpoint_boundary=bool(ds_ac["synchronize_checkpoint_boundary"]),
         profile=bool(ds_ac["profile"]), notes=tuple(notes), warnings=tuple(warnings), ignored_by_torch=ignored)
+
+
+def resolve_with_layout(raw: dict, section: ACSection, device: str, layer_class: type, largest_param: int,
+                        data_parallel_size: int) -> tuple[RecomputeSpec, Zero3Layout]:
+    """A run's RecomputeSpec and ZeRO-3 layout, decided together (the one way every caller resolves them: the run's
+    preflight, make plan, --max-seq and the OOM advice). The layout comes first: where ZeRO-3's hooks stay inside a
+    recomputed layer, backend auto takes DeepSpeed's reentrant checkpoint. `raw` is the JSON, `layer_class` the
+    model's decoder-layer class, `largest_param` its largest parameter's elements, over `data_parallel_size` ranks."""
+    zero3 = zero3_layout(raw, layer_class, largest_param, data_parallel_size, segments=_base(section.policy) == "sqrt")
+    spec = resolve_recompute(raw, section, device, json_tp_size(raw),
+                             zero3_hooks_inside=hooks_inside_layers(raw, zero3, layer_class))
+    return spec, zero3

@@ -100,3 +100,16 @@ def zero3_layout(raw: dict, layer_class: type, largest_param: int, data_parallel
         lines.append(f"zero3 residency: one data-parallel rank and no offload_param, so ZeRO-3 has nothing to shard: "
                      f"every parameter stays resident ({PERSISTENCE_KEY}: {threshold:,}, the largest parameter)")
     return Zero3Layout(leaf, threshold, tuple(lines))
+
+
+def leaf_names_layer(raw: dict, layer_class: type) -> bool:
+    """The JSON's own zero_optimization.leaf_module names the decoder-layer class (by name or qualified name)."""
+    leaf = (raw.get("zero_optimization") or {}).get("leaf_module")
+    classes = leaf.get("classes", []) if isinstance(leaf, dict) else []
+    return any(c in (layer_class.__name__, f"{layer_class.__module__}.{layer_class.__qualname__}") for c in classes)
+
+
+def hooks_inside_layers(raw: dict, layout: Zero3Layout, layer_class: type) -> bool:
+    """ZeRO-3 hooks the submodules of each decoder layer, so its hooks run inside a layer's recompute: stage 3, and
+    neither memtrain's leaf layers (`layout`) nor the JSON's own leaf_module makes the layer a leaf."""
+    return zero_stage(raw) == 3 and not layout.leaf_layers and not leaf_names_layer(raw, layer_class)

@@ -338,7 +338,7 @@ def suggest_fit(recipe, ds_config: dict, world_size: int, budget_bytes: int) -> 
     from memtrain.memory.profile import profile_activations
     from memtrain.memory.target import make_target, model_and_config, recompute_spec
 
-    spec = recompute_spec(recipe, ds_config)
+    spec = recompute_spec(recipe, ds_config, world_size=world_size)
     target = make_target(recipe, ds_config, world_size, spec=spec)
     profile = profile_activations(model_and_config(recipe), target)
     choices = available_choices(profile, spec.backend, offload=False)

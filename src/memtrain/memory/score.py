@@ -103,7 +103,7 @@ def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, act
                 rates: Rates) -> Optional[Family]:
     ds = family_ds(base_ds, tp, activation_offload)
     r = family_recipe(recipe, sp)
-    spec = recompute_spec(r, ds, "cuda")
+    spec = recompute_spec(r, ds, "cuda", world)
     target = make_target(r, ds, world, spec=spec)
     profile = profile_activations(config, target)
     choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))

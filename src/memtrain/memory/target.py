@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 
-from memtrain.config.ds_config import AUTO
+from memtrain.config.ds_config import AUTO, tp_size as json_tp_size
 from memtrain.config.recipe import LoraSection, QuantizationSection
-from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
+from memtrain.config.recompute_spec import RecomputeSpec, resolve_with_layout
+from memtrain.config.zero3 import Zero3Layout
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,24 @@ def compute_dtype(ds_config: dict, device: str) -> str:
     return "float32"
 
 
-def recompute_spec(recipe, ds_config: dict, device: Optional[str] = None) -> RecomputeSpec:
-    """The RecomputeSpec of a run of `recipe` under `ds_config` on `device` (default: this machine's), for a
-    tool that plans without running (make plan, max_seq, an OOM report); a run resolves its own in preflight."""
+def resolve_spec(recipe, ds_config: dict, world_size: int = 1, device: Optional[str] = None,
+                 model=None) -> tuple[RecomputeSpec, Zero3Layout]:
+    """The RecomputeSpec and ZeRO-3 layout of a run of `recipe` under the JSON `ds_config` on `world_size` ranks and
+    `device` (default: this machine's): one function for the run's preflight, make plan, --max-seq and the OOM advice.
+    `model`: the run's model on the meta device (default: built here from the recipe)."""
+    from memtrain.model.build import build_on_meta, decoder_layers
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return resolve_recompute(ds_config, recipe.activation_checkpointing, device)
+    model = model if model is not None else build_on_meta(recipe.model, model_and_config(recipe))
+    layer_class = type(decoder_layers(model)[1][0])
+    largest = max(p.numel() for p in model.parameters())
+    return resolve_with_layout(ds_config, recipe.activation_checkpointing, device, layer_class, largest,
+                               max(world_size // json_tp_size(ds_config), 1))
+
+
+def recompute_spec(recipe, ds_config: dict, device: Optional[str] = None, world_size: int = 1) -> RecomputeSpec:
+    """The RecomputeSpec of `resolve_spec`, for a tool that plans without running."""
+    return resolve_spec(recipe, ds_config, world_size, device)[0]
 
 
 def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] = None,
@@ -78,7 +92,7 @@ def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] 
     """The run to predict: `spec` (default: resolved for `device`) says whether checkpointed inputs are
     partitioned across the tensor-parallel group."""
     device = device or (spec.device if spec else ("cuda" if torch.cuda.is_available() else "cpu"))
-    spec = spec or recompute_spec(recipe, ds_config, device)
+    spec = spec or recompute_spec(recipe, ds_config, device, world_size)
     sp = recipe.parallel.sequence
     tp = spec.tp_size
     trainable, total = _trainable(recipe)

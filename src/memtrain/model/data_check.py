@@ -1,7 +1,7 @@
 """Look at each data file before any worker reads it: is it what its name says (text, JSON lines with
 the text column, parquet with the text column), and is `data.seq_len` trainable at all.
 
-Run by the preflight's `check_run`, so `make train`'s preflight and every worker give the same line.
+Run by the preflight's `resolve_run`, so `make train`'s preflight and every worker give the same line.
 Only the head of each text/JSON file is read; parquet is checked by pyarrow's own schema reader.
 """
 from __future__ import annotations

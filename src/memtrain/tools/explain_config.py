@@ -58,20 +58,20 @@ def _noop(key: str, raw: dict, resolved: dict, spec: Optional[RecomputeSpec]) ->
 
 
 def explain(args: RunArgs) -> list[str]:
-    from memtrain.train.preflight import check_run
+    from memtrain.train.preflight import resolve_run
 
     world_size = args.world_size or 1
     raw, source = args.ds_config, args.ds_config_path
     error, checked = None, None
     try:
-        checked = check_run(args, world_size)
+        checked = resolve_run(args, world_size)
     except UserError as e:
         error = str(e)
     hidden = model_hidden_size(checked.config) if checked else None
     calls = len(checked.plan.offload_units) if checked else 0
     resolved = resolve_ds_config(raw, args.recipe, world_size, Path("<run dir>"), calls, hidden_size=hidden)
     spec = checked.spec if checked else None
-    from memtrain.train import ds_checks
+    from memtrain.config import ds_checks
 
     problems = [error] if error else []
     for check in (ds_checks.check_optimizer, ds_checks.check_dtype_support, ds_checks.check_nvme):
@@ -101,14 +101,15 @@ def explain(args: RunArgs) -> list[str]:
     for key in added:
         lines.append(f"{key} (not in the JSON): memtrain sets {json.dumps(get(resolved, key))}")
     if "optimizer" not in raw:
-        from memtrain.train.optimizer import optimizer_name, schedule_kwargs
+        from memtrain.config.ds_validate import schedule_kwargs
+        from memtrain.train.optimizer import optimizer_name
 
         lines.append(f"optimizer (no section): memtrain builds {optimizer_name(resolved)} from train.lr/adam_betas/"
                      "adam_eps/weight_decay")
         if "scheduler" not in raw:
             lines.append(f"scheduler (no section): memtrain builds WarmupCosineLR {schedule_kwargs(args.recipe)}")
     elif "scheduler" not in raw:
-        from memtrain.train.optimizer import schedule_kwargs
+        from memtrain.config.ds_validate import schedule_kwargs
 
         lines.append(f"scheduler (no section): memtrain builds WarmupCosineLR {schedule_kwargs(args.recipe)}")
     if error:

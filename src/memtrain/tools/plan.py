@@ -61,7 +61,7 @@ def _fits(profile: ActivationProfile, states, choices, budget: int, uniform: Opt
 def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str], budget: Optional[int]) -> dict:
     from memtrain.config.ds_config import zero_stage
 
-    spec = recompute_spec(recipe, ds_config, device)
+    spec = recompute_spec(recipe, ds_config, device, world_size)
     target = make_target(recipe, ds_config, world_size, spec=spec)
     config = model_and_config(recipe)
     profile = profile_activations(config, target)
@@ -71,7 +71,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
     report = {
         "recipe": recipe.name, "data_format": recipe.data.format, "model_type": config.model_type, "num_layers": profile.num_layers,
         "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": target.to_dict(),
-        "zero_stage": zero_stage(ds_config), "rates": rates.to_dict(),
+        "zero_stage": zero_stage(ds_config), "ac_backend": spec.backend, "rates": rates.to_dict(),
         "rates_note": ("measured on this machine's GPU" if rates.device == target.device == "cuda" else
                        f"measured on this machine's {rates.device}; the step-time ranking is "
                        + ("for it" if rates.device == target.device else "not measured on GPU")),
@@ -280,7 +280,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.verify:
             verify_cli(args, result, recipe, hw, out)
         return
-    from memtrain.train.parallel import check_tensor_parallel
+    from memtrain.config.ds_validate import check_tensor_parallel
 
     check_tensor_parallel(ds_config, args.deepspeed, model_and_config(recipe), args.ngpus)
     if args.max_seq:

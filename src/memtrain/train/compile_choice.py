@@ -100,13 +100,6 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
 
 
-def leaf_names_layer(raw: dict, layer_class: type) -> bool:
-    """The JSON's own zero_optimization.leaf_module names the decoder-layer class (by name or qualified name)."""
-    leaf = (raw.get("zero_optimization") or {}).get("leaf_module")
-    classes = leaf.get("classes", []) if isinstance(leaf, dict) else []
-    return any(c in (layer_class.__name__, f"{layer_class.__module__}.{layer_class.__qualname__}") for c in classes)
-
-
 def measured_faster(policy: str, device: str, device_name: str, reports: Path = GPU_CHECK_DIR) -> tuple[bool, str]:
     """train.compile auto: whether this device's `make gpu-check` measured the compiled set-ups faster than the same
     set-ups eager (the one with this run's policy where it ran, else all of them), and why not."""

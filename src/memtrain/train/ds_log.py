@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
-from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -14,18 +13,6 @@ def _logger() -> logging.Logger:
     from deepspeed.utils import logger
 
     return logger
-
-
-@contextmanager
-def silenced():
-    """No DeepSpeed log while validation constructs DeepSpeed's objects on dummies."""
-    logger = _logger()
-    was = logger.disabled
-    logger.disabled = True
-    try:
-        yield
-    finally:
-        logger.disabled = was
 
 
 def _console_off(logger: logging.Logger) -> None:

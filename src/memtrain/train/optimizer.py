@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from memtrain.config.ds_config import offload_device
+from memtrain.config.ds_validate import schedule_kwargs
 
 
 def own_optimizer(cfg: dict) -> bool:
@@ -53,13 +54,6 @@ def build_optimizer(params, cfg: dict, recipe) -> torch.optim.Optimizer:
         return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
     impl = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
     return torch.optim.AdamW(params, **kwargs, **impl)
-
-
-def schedule_kwargs(recipe) -> dict:
-    t = recipe.train
-    # DeepSpeed >= 0.19.6 rejects 0 warm-up steps (transformers fills max(1, warmup) too)
-    return {"total_num_steps": t.max_steps, "warmup_min_ratio": 0.0, "warmup_num_steps": max(1, t.warmup_steps),
-            "cos_min_ratio": t.min_lr / t.lr, "warmup_type": "linear"}
 
 
 def build_schedule(recipe) -> Callable[[torch.optim.Optimizer], Any]:

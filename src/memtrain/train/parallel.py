@@ -3,48 +3,9 @@ after `deepspeed.initialize`, which data-parallel rank a process is (it picks th
 ranks read distinct data (it counts tokens), as DeepSpeed's own groups say."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
 from memtrain.errors import UserError
-
-
-def check_tensor_parallel(ds_config: dict, source: str, config, world_size: int) -> None:
-    """`tensor_parallel` against DeepSpeed's own schema, the world size and the model's heads: one line each."""
-    if "tensor_parallel" not in ds_config:
-        return
-    section = ds_config["tensor_parallel"]
-    if not isinstance(section, dict):
-        raise UserError(f"{source}: tensor_parallel: expected an object {{...}}, got {json.dumps(section)}")
-    size = section.get("autotp_size", 0)
-    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
-        raise UserError(f"{source}: tensor_parallel.autotp_size: expected an integer >= 0, got {json.dumps(size)}")
-    sub: Any = section.get("tp", {})
-    sub_size = sub.get("tp_size", 1) if isinstance(sub, dict) else 1
-    if sub_size not in (1, max(size, 1)):  # DeepSpeed raises this at initialize, inside every worker
-        raise UserError(f"{source}: tensor_parallel.tp.tp_size: {json.dumps(sub_size)} differs from "
-                        f"tensor_parallel.autotp_size {size}; leave it out or make them equal")
-    from pydantic import ValidationError
-    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
-
-    try:
-        TPTrainingConfig(**section)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise UserError(f"{source}: tensor_parallel.{where}: {first['msg']}") from None
-    if size <= 1:
-        return
-    if world_size % size:
-        raise UserError(f"{source}: tensor_parallel.autotp_size: {size} does not divide the world size {world_size}")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if value is not None and value % size:
-            raise UserError(f"{source}: tensor_parallel.autotp_size: {size} does not divide the model's {name} "
-                            f"{value} (AutoTP shards attention by heads)")
 
 
 def check_autotp_model(ds_config: dict, source: str, model) -> None:

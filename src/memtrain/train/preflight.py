@@ -1,24 +1,20 @@
-"""Check a run's inputs before any worker starts: recipe, --set overrides, DeepSpeed JSON, run dir.
+"""The run resolved once, before any worker starts: every check, and the decisions the run takes from them.
 
-`check_run` is the whole check, one code path for every entry point. The trainer calls it in
-each worker before distributed init; `python -m memtrain.train.preflight --world-size N <train.py args>`
-runs it in a plain process before a launcher starts (`make train` does; any other entry point
-can do the same), so a mistake is exactly one stderr line (exit 2) and no worker starts. The recipe schema lives in
-`memtrain.recipe`; here are the DeepSpeed JSON and everything that spans files. DeepSpeed's own
-config classes (pydantic, like the recipe's) have the last word on the JSON.
+`resolve_run` is one code path for every entry point: named steps, cheapest first, returning one frozen
+`RunSetup` (files, tokenizer, model config, RecomputeSpec and ZeRO-3 layout, the AC plan and the auto plan,
+the prediction, the compile choice). The trainer calls it in each worker before distributed init;
+`python -m memtrain.train.preflight --world-size N <train.py args>` runs it in a plain process before a
+launcher starts (`make train` does), so a mistake is exactly one stderr line (exit 2) and no worker starts.
+The recipe schema lives in `memtrain.config.recipe`, the DeepSpeed JSON's own checks in
+`memtrain.config.ds_validate`; here is everything that spans files.
 """
 from __future__ import annotations
 
-import copy
-import difflib
-import json
 import sys
-import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
-
-from pydantic import BaseModel, ValidationError
 
 from memtrain.train import checkpoint, long_context, reshard
 from memtrain.train import run_dir as run_dirs
@@ -26,41 +22,38 @@ from memtrain.train.node import agent_ranks, holds_rank0
 from memtrain.train.resume_check import check_resume, check_shapes
 from memtrain.model.data_check import check_data_files, check_seq_len
 from memtrain.recompute.policy import ACPlan, build_plan
-from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
+from memtrain.config.recompute_spec import RecomputeSpec
 from memtrain.model.freeze import count_trainable, saved_with_adapters
 from memtrain.model.chat_data import check_template
 from memtrain.model.lora import add_lora, trainable_patterns
 from memtrain.model.moe import experts_line
 from memtrain.model.pretrained import check_pretrained
-from memtrain.memory.target import compute_dtype
+from memtrain.memory.target import compute_dtype, resolve_spec
 from memtrain.memory.planner import predict_run
 from memtrain.units import GIB
 from memtrain.config.args import RunArgs, parse_args, preflight_parser
 from memtrain.model.data import build_tokenizer, builder_for, resolve_files
 from memtrain.model import eval_data
-from memtrain.config.ds_config import (AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has,
-                                       model_hidden_size, recipe_disagreements, resolve_ds_config, zero_stage)
-from memtrain.train import ds_checks, ds_log, rng
+from memtrain.config.ds_config import AUTO, AUTO_KEYS, get, model_hidden_size, resolve_ds_config, zero_stage
+from memtrain.config import ds_checks
+from memtrain.config.ds_validate import check_json, check_tensor_parallel, deepspeed_accepts, recipe_overrides
+from memtrain.train import rng
+from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile
 from memtrain.train.qlora_checks import check_quantized_base
 from memtrain.model.quantize import packed_shapes
-from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile, leaf_names_layer
 from memtrain.errors import NodeError, UserError, cli_entry, is_rank_zero
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
-from memtrain.config.zero3 import Zero3Layout, zero3_layout
+from memtrain.config.zero3 import Zero3Layout, hooks_inside_layers
 from memtrain.recompute.hooks import apply_plan
 from memtrain.config.recipe import DataSection, pretrained_tokenizer
 from memtrain.recompute.partition import with_expected_bytes
-from memtrain.train.parallel import check_autotp_model, check_tensor_parallel
+from memtrain.train.parallel import check_autotp_model
 from memtrain.config.ds_config import tp_size
-
-SECTIONS = ("zero_optimization", "activation_checkpointing", "optimizer", "scheduler", "bf16", "fp16",
-            "tensorboard", "csv_monitor", "wandb", "comet")
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
-class Checked:
-    """What validation built on the way; the trainer uses it rather than building it again."""
+class RunSetup:
+    """The run as `resolve_run` decided it; the trainer, explain-config and the tools read it, none decides again."""
 
     files: list[Path]
     tokenizer: Any
@@ -75,200 +68,6 @@ class Checked:
     prediction: Any = None  # memtrain.memory.predict.Prediction of this plan (the auto plan's, for policy auto)
     compile: CompileChoice = CompileChoice()  # train.compile for this run (memtrain.train.compile_choice)
     final_bytes: int = 0  # host bytes rank 0's node gathers for final/ (check_host_memory)
-
-
-def _suggest(key: str, allowed, cutoff: float = 0.6) -> str:
-    close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=cutoff)
-    return f"did you mean '{close[0]}'? " if close else ""
-
-
-def _hint(key: str, allowed) -> str:
-    """A suggestion, and the allowed keys when there are few enough to read."""
-    allowed = sorted(allowed)
-    listed = f"allowed: {', '.join(allowed)}" if allowed and (len(allowed) <= 12 or not _suggest(key, allowed)) else ""
-    return (_suggest(key, allowed) + listed).strip() or "not a known key"
-
-
-# --------------------------------------------------------------------------- DeepSpeed JSON
-
-def _model_keys(model: type[BaseModel]) -> set[str]:
-    return {f.alias or name for name, f in model.model_fields.items()} | set(model.model_fields)
-
-
-def _submodel(model: type[BaseModel], loc: tuple) -> Optional[type[BaseModel]]:
-    """The pydantic model that holds the last key of `loc` (for did-you-mean), if known."""
-    for part in loc:
-        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
-        if field is None:
-            return None
-        inner = [a for a in (field.annotation, *typing.get_args(field.annotation))
-                 if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not inner:
-            return None
-        model = inner[0]
-    return model
-
-
-def _pydantic_line(err: ValidationError, source: str, prefix: str, model: type[BaseModel]) -> str:
-    e = err.errors()[0]
-    loc = tuple(str(p) for p in e["loc"])
-    key = ".".join((prefix, *loc)) if prefix else ".".join(loc)
-    if e["type"] == "extra_forbidden":
-        holder = _submodel(model, loc[:-1])
-        return f"{source}: unknown key '{key}'; {_hint(loc[-1], _model_keys(holder) if holder else ())}"
-    value = e.get("input")
-    shown = f" (got {value!r})" if not isinstance(value, (dict, list)) else ""
-    return f"{source}: {key}: {e['msg']}{shown}"
-
-
-# JSON keys DeepSpeed divides by, outside the batch keys (check_batch) and the "auto" table: key -> integer?
-DIVISORS = {"steps_per_print": True, "gradient_predivide_factor": False}
-
-
-def check_ds_json(cfg: dict, source: str) -> list[str]:
-    """Keys, types and DeepSpeed's own section schemas; returns warnings."""
-    warnings = []
-    known = deepspeed_top_level_keys()
-    for key in cfg:
-        if key in known:
-            continue
-        hint = _suggest(key, known, cutoff=0.8)
-        if hint:
-            raise UserError(f"{source}: unknown key '{key}'; {hint}(DeepSpeed would silently ignore it)")
-        warnings.append(f"{source}: '{key}' is not a DeepSpeed config key; DeepSpeed ignores it")
-    for section in SECTIONS:
-        if section in cfg and not isinstance(cfg[section], dict):
-            raise UserError(f"{source}: {section}: expected an object {{...}}, got {json.dumps(cfg[section])}")
-    for a in AUTO_KEYS:
-        present, value = has(cfg, a.key), get(cfg, a.key)
-        if present and value != AUTO and not a.check(value):
-            raise UserError(f"{source}: {a.key}: expected {a.allowed} or \"auto\", got {json.dumps(value)}")
-    ds_checks.check_unfilled_auto(cfg, source)
-    for key, integer in DIVISORS.items():  # DeepSpeed divides by these mid-run (a ZeroDivisionError in every worker)
-        present, value = has(cfg, key), get(cfg, key)
-        if present and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-                            and (not integer or float(value).is_integer())):
-            raise UserError(f"{source}: {key}: expected a positive {'integer' if integer else 'number'} "
-                            f"(DeepSpeed divides by it), got {json.dumps(value)}")
-
-    zero = cfg.get("zero_optimization", {})
-    stage = zero.get("stage", 0)
-    if not (isinstance(stage, int) and not isinstance(stage, bool) and stage in ZERO_STAGES):
-        raise UserError(f"{source}: zero_optimization.stage: {json.dumps(stage)} is not a ZeRO stage; "
-                        "allowed: 0, 1, 2, 3")
-
-    ac = cfg.get("activation_checkpointing")
-    if ac is not None:
-        defaults = ac_defaults()  # DeepSpeed's own keys and defaults
-        for key, value in ac.items():
-            if key not in defaults:
-                raise UserError(f"{source}: unknown key 'activation_checkpointing.{key}'; {_hint(key, defaults)}")
-            if isinstance(defaults[key], bool) and not isinstance(value, bool):
-                raise UserError(f"{source}: activation_checkpointing.{key}: expected true or false, "
-                                f"got {json.dumps(value)}")
-        if ac.get("contiguous_memory_optimization"):
-            if not ac.get("partition_activations"):
-                raise UserError(f"{source}: activation_checkpointing.contiguous_memory_optimization: needs "
-                                "partition_activations: true (DeepSpeed asserts otherwise)")
-            if ac.get("number_checkpoints") is None:
-                raise UserError(f"{source}: activation_checkpointing.contiguous_memory_optimization: needs "
-                                "number_checkpoints (a number or \"auto\"; DeepSpeed asserts otherwise)")
-    return warnings
-
-
-def check_batch(cfg: dict, source: str, recipe, world_size: int) -> None:
-    """Explicit JSON batch values must agree with the recipe and the world size."""
-    t = recipe.train
-    for a, value, wanted in recipe_disagreements(cfg, recipe, world_size):
-        if not a.must_match:
-            continue
-        if a.key == "train_batch_size":
-            sp = recipe.parallel.sequence
-            ranks = f"world size {world_size}" + (f" / parallel.sequence {sp}" if sp > 1 else "")
-            raise UserError(f"{source}: train_batch_size: {value} != micro batch {t.micro_batch_size} x grad accum "
-                            f"{t.grad_accum_steps} x {ranks} = {wanted}; write \"auto\" or {wanted}")
-        raise UserError(f"{source}: {a.key}: {value} disagrees with the recipe's {a.source}={wanted}; "
-                        "write \"auto\" or make them equal")
-
-
-def _recipe_overrides(cfg: dict, source: str, recipe, world_size: int = 1) -> list[str]:
-    """Explicit JSON values win over the recipe (only "auto" is filled): legal, but say so."""
-    return [f"{source}: {a.key}={json.dumps(value)} overrides the recipe's {a.source}={json.dumps(wanted)}"
-            for a, value, wanted in recipe_disagreements(cfg, recipe, world_size) if not a.must_match]
-
-
-def _optimizer_and_scheduler(raw: dict, resolved: dict, source: str, recipe=None) -> None:
-    """The names DeepSpeed resolves, and the scheduler built as the engine will build it."""
-    import torch
-    from deepspeed.runtime import lr_schedules
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
-
-    name = resolved.get("optimizer", {}).get("type")
-    if "optimizer" in resolved and not (isinstance(name, str) and (
-            name.lower() in DEEPSPEED_OPTIMIZERS or hasattr(torch.optim, name))):
-        raise UserError(f"{source}: optimizer.type: unknown optimizer {json.dumps(name)}; "
-                        f"{_hint(str(name), DEEPSPEED_OPTIMIZERS)}")
-    if "scheduler" not in resolved:  # memtrain's own schedule from the recipe (memtrain.train.optimizer)
-        from memtrain.train.optimizer import schedule_kwargs
-
-        if recipe is None:
-            return
-        try:
-            lr_schedules.WarmupCosineLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3),
-                                        **schedule_kwargs(recipe))
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"train: the recipe's schedule (warm-up + cosine) is rejected: {first}") from None
-        return
-    name = resolved["scheduler"].get("type")
-    cls = (getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name, None)
-           if isinstance(name, str) else None)
-    if not isinstance(cls, type):
-        raise UserError(f"{source}: scheduler.type: unknown scheduler {json.dumps(name)}; "
-                        f"{_hint(str(name), lr_schedules.VALID_LR_SCHEDULES)}")
-    params = resolved["scheduler"].get("params", {})
-    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
-    try:
-        cls(dummy, **params)
-    except Exception as e:  # DeepSpeed's schedulers check their arguments in __init__
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        auto = [f"{a.key.rpartition('.')[2]} comes from {a.source}" for a in AUTO_KEYS
-                if a.key.startswith("scheduler.params.") and a.key.rpartition(".")[2] in first
-                and get(raw, a.key) == AUTO]
-        raise UserError(f"{source}: scheduler.params: DeepSpeed's {name} rejects them: {first}"
-                        + (f" ({'; '.join(auto)})" if auto else "")) from None
-
-
-def deepspeed_accepts(raw: dict, resolved: dict, source: str, recipe=None) -> None:
-    """DeepSpeed's own DeepSpeedConfig, as the engine will build it, wrapped to one line."""
-    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("tensorboard", TensorBoardConfig),
-                           ("csv_monitor", CSVConfig), ("wandb", WandbConfig), ("comet", CometConfig)):
-        if section in resolved:
-            try:
-                model(**resolved[section])
-            except ValidationError as e:
-                raise UserError(_pydantic_line(e, source, section, model)) from None
-    ds_checks.check_optimizer(resolved, source)
-    with ds_log.silenced():  # DeepSpeed's schedulers log warnings while they check
-        _optimizer_and_scheduler(raw, resolved, source, recipe)
-
-    cfg = copy.deepcopy(resolved)
-    cfg.pop("train_batch_size", None)  # checked above against the real world size; here world is 1
-    try:
-        DeepSpeedConfig(cfg)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise UserError(f"{source}: DeepSpeed rejects it ({e.title}): {where}: {first['msg']}") from None
-    except Exception as e:  # DeepSpeed reports config mistakes as asserts and ValueErrors
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"{source}: DeepSpeed rejects it: {first}") from None
-    ds_checks.check_dtype_support(resolved, source)  # after DeepSpeed's own checks (e.g. fp16 and bf16 both on)
-    ds_checks.check_nvme(resolved, source)
 
 
 # --------------------------------------------------------------------------- cross-file
@@ -426,99 +225,120 @@ def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] 
                         "fewer ranks per node")
 
 
-def check_run(args: RunArgs, world_size: int) -> Checked:
-    """Every check, cheapest first; raises UserError on the first mistake."""
-    recipe, source = args.recipe, args.ds_config_path
-    warnings = check_ds_json(args.ds_config, source)
-    check_batch(args.ds_config, source, recipe, world_size)
-    resume = check_run_dir(args, world_size)
-    if resume is not None:
-        warnings += resume.warnings(args.run_dir / "checkpoints")
-    recipe_source = args.recipe_path or "embedded recipe 'tiny'"
-    try:  # these name a recipe key path; say which recipe too
-        check_seq_len(recipe.data)
-        files = [] if recipe.data.random_tokens else resolve_files(recipe.data)
-        if files and recipe.data.format == "text":
-            check_text(files, recipe.data)
-        if files:
-            check_data_files(files, recipe.data)
-        if files:
-            run_dirs.check_creatable(Path(recipe.data.cache_dir), "data.cache_dir")
-        eval_data.check_settings(recipe.data, recipe.train)
-        if eval_data.has_eval_data(recipe.data):
-            check_eval_files(recipe.data, files)
-        tokenizer = build_tokenizer(recipe.data.tokenizer)
-        if files and recipe.data.format != "text":  # columns and rows: when packing (memtrain.model.chat_data)
-            check_template(tokenizer, recipe.data)
-            if recipe.parallel.sequence > 1:
-                raise UserError(f"data.format: '{recipe.data.format}' packs samples with positions restarting per "
-                                "sample, which Ulysses sequence parallelism (parallel.sequence > 1) does not keep "
-                                "apart across its slices; use data.format text or parallel.sequence 1")
-        config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
-        model = build_on_meta(recipe.model, config)  # transformers' own checks of the config values
-        if recipe.model.pretrained:  # its weight files whole, of the shapes this model has (no tensor read)
-            check_pretrained(recipe.model, model)
-            warnings += _byte_tokenizer_warning(recipe, tokenizer, config)
-        if recipe.model.lora is not None:  # the adapted model: its names, layers and what trains
-            add_lora(model, recipe.model.lora)
-        trained = _trainable_line(model, recipe)
-        section = recipe.activation_checkpointing
-        # ZeRO-3's layout first: where its hooks stay inside a recomputed unit, the spec's backend differs
-        zero3 = zero3_layout(args.ds_config, type(decoder_layers(model)[1][0]),
-                             max(p.numel() for p in model.parameters()), world_size // tp_size(args.ds_config),
-                             segments=section.policy.partition("+")[0] == "sqrt")
-        spec = resolve_recompute(args.ds_config, section, run_device(), tp_size(args.ds_config),
-                                 zero3_hooks_inside=zero_stage(args.ds_config) == 3 and not zero3.leaf_layers)
-        memory_plan = None
-        if spec.policy == "auto":  # per-layer plan that fits activation_checkpointing.memory_budget
-            from memtrain.memory.planner import auto_plan
-
-            plan, memory_plan = auto_plan(spec, recipe, args.ds_config, world_size, config)
-        else:
-            plan = build_plan(spec, config.num_hidden_layers)
-        check_plan_applies(model, plan)
-        long_context.check(recipe, args.ds_config, config, world_size)
-        layer_class = type(decoder_layers(model)[1][0])
-        hooks_inside = zero_stage(args.ds_config) == 3 and not zero3.leaf_layers and \
-            not leaf_names_layer(args.ds_config, layer_class)
-        compiled = choose_compile(recipe.train.compile, plan, run_device(), tp_size(args.ds_config),
-                                  recipe.parallel.sequence, hooks_inside,
-                                  sharded=zero_stage(args.ds_config) == 3 and not zero3.persistence_threshold)
+@contextmanager
+def _naming_recipe(args: RunArgs):
+    """The steps inside name a recipe key path: say which recipe too (a NodeError stays one)."""
+    try:
+        yield
     except UserError as e:
-        raise type(e)(f"{recipe_source}: {e}") from None  # a NodeError stays one
+        raise type(e)(f"{args.recipe_path or 'embedded recipe ' + repr('tiny')}: {e}") from None
+
+
+def _data_inputs(recipe) -> tuple[list[Path], Any]:
+    """The data files and the tokenizer, each checked."""
+    data = recipe.data
+    check_seq_len(data)
+    files = [] if data.random_tokens else resolve_files(data)
+    if files:
+        if data.format == "text":
+            check_text(files, data)
+        check_data_files(files, data)
+        run_dirs.check_creatable(Path(data.cache_dir), "data.cache_dir")
+    eval_data.check_settings(data, recipe.train)
+    if eval_data.has_eval_data(data):
+        check_eval_files(data, files)
+    tokenizer = build_tokenizer(data.tokenizer)
+    if files and data.format != "text":  # columns and rows: when packing (memtrain.model.chat_data)
+        check_template(tokenizer, data)
+        if recipe.parallel.sequence > 1:
+            raise UserError(f"data.format: '{data.format}' packs samples with positions restarting per "
+                            "sample, which Ulysses sequence parallelism (parallel.sequence > 1) does not keep "
+                            "apart across its slices; use data.format text or parallel.sequence 1")
+    return files, tokenizer
+
+
+def _meta_model(recipe, tokenizer) -> tuple[Any, Any, list[str]]:
+    """The transformers config, the model on the meta device as the workers build it (adapters added; transformers'
+    own checks of the config values run), and warnings about it."""
+    config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
+    model = build_on_meta(recipe.model, config)
+    warnings = []
+    if recipe.model.pretrained:  # its weight files whole, of the shapes this model has (no tensor read)
+        check_pretrained(recipe.model, model)
+        warnings += _byte_tokenizer_warning(recipe, tokenizer, config)
+    if recipe.model.lora is not None:  # the adapted model: its names, layers and what trains
+        add_lora(model, recipe.model.lora)
+    return config, model, warnings
+
+
+def _ac_plan(spec: RecomputeSpec, args: RunArgs, world_size: int, config, model) -> tuple[ACPlan, Any]:
+    """The per-layer plan of the spec (policy auto: the planner's, under memory_budget, and its PlanResult), checked
+    against the model's modules."""
+    memory_plan = None
+    if spec.policy == "auto":
+        from memtrain.memory.planner import auto_plan
+
+        plan, memory_plan = auto_plan(spec, args.recipe, args.ds_config, world_size, config)
+    else:
+        plan = build_plan(spec, config.num_hidden_layers)
+    check_plan_applies(model, plan)
+    return plan, memory_plan
+
+
+def _compile_choice(recipe, ds_config: dict, plan: ACPlan, zero3: Zero3Layout, model) -> CompileChoice:
+    """train.compile for this plan, device and layout (memtrain.train.compile_choice)."""
+    layer_class = type(decoder_layers(model)[1][0])
+    return choose_compile(recipe.train.compile, plan, run_device(), tp_size(ds_config), recipe.parallel.sequence,
+                          hooks_inside_layers(ds_config, zero3, layer_class),
+                          sharded=zero_stage(ds_config) == 3 and not zero3.persistence_threshold)
+
+
+def _check_layout(args: RunArgs, config, model, world_size: int) -> None:
+    """Tensor parallelism against the world, the model and what it cannot be combined with; dropout under AutoTP."""
+    recipe, source, tp = args.recipe, args.ds_config_path, tp_size(args.ds_config)
     check_tensor_parallel(args.ds_config, source, config, world_size)
-    if tp_size(args.ds_config) > 1 and recipe.model.lora is not None:
+    if tp > 1 and recipe.model.lora is not None:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's model.lora: "
                         "AutoTP shards torch Linear layers, and peft's LoRA layers wrap them (untested together)")
     if zero_stage(args.ds_config) == 3 and recipe.model.lora is not None and recipe.model.lora.use_dora:
         raise UserError(f"{source}: zero_optimization.stage: 3 cannot train the recipe's model.lora.use_dora: DoRA reads "
                         "each adapted layer's whole base weight outside that layer's forward (its weight norm), where "
                         "ZeRO-3 holds only this rank's partition (peft fails on 2 ranks); use stage 0-2 or use_dora false")
-    if tp_size(args.ds_config) > 1 and recipe.parallel.sequence > 1:
+    if tp > 1 and recipe.parallel.sequence > 1:
         raise UserError(f"{source}: tensor_parallel.autotp_size: cannot be combined with the recipe's parallel.sequence "
                         f"({recipe.parallel.sequence}); memtrain runs AutoTP or Ulysses sequence parallelism, not both")
     check_autotp_model(args.ds_config, source, model)
-    rng.check(config, model, tp_size(args.ds_config), source)  # dropout masks AutoTP's shards can take
-    if resume is not None and is_rank_zero():  # rank 0 decides the checkpoint every rank loads (checkpoint.load)
-        check_shapes(args.run_dir / "checkpoints" / resume.tag, model,
-                     packed_shapes(model) if recipe.model.quantization is not None else None)
+    rng.check(config, model, tp, source)  # dropout masks AutoTP's shards can take
+
+
+def _resolved_json(args: RunArgs, config, plan: ACPlan, zero3: Zero3Layout) -> dict:
+    """The JSON as the engine gets it (every "auto" filled, as for one rank), accepted by DeepSpeed's own classes."""
+    source = args.ds_config_path
     hidden = model_hidden_size(config)
     needs_model = [a.key for a in AUTO_KEYS if a.needs_model and get(args.ds_config, a.key) == AUTO]
     if needs_model and hidden is None:
         raise UserError(f"{source}: {needs_model[0]}: \"auto\" is sized by the model's hidden_size, which its "
                         "config does not have; write a number")
-    resolved = zero3.apply(resolve_ds_config(args.ds_config, recipe, 1, Path("runs/validate"), plan.checkpoint_calls,
-                                             hidden_size=hidden))
-    deepspeed_accepts(args.ds_config, resolved, source, recipe)
-    check_quantized_base(resolved, recipe, source, compiled.on)  # QLoRA: what a 4-bit base cannot run with
-    plan = with_expected_bytes(plan, config, recipe, resolved)
+    resolved = zero3.apply(resolve_ds_config(args.ds_config, args.recipe, 1, Path("runs/validate"),
+                                             plan.checkpoint_calls, hidden_size=hidden))
+    deepspeed_accepts(args.ds_config, resolved, source, args.recipe)
+    return resolved
+
+
+def _prediction(args: RunArgs, world_size: int, plan: ACPlan, config, memory_plan, compiled: CompileChoice):
+    """The predicted peak of this plan (the auto plan's own, for policy auto), marked eager under train.compile."""
     prediction = memory_plan.prediction if memory_plan is not None else predict_run(
-        recipe, args.ds_config, world_size, plan, config)
+        args.recipe, args.ds_config, world_size, plan, config)
     if compiled.on:  # never an eager prediction passed off as a compiled run's
         prediction = replace(prediction, notes=prediction.notes + (EAGER_PREDICTION,))
-    gathered = final_bytes(model, args.ds_config, recipe.train)
-    check_host_memory(prediction, world_size, final=gathered)
-    warnings += _recipe_overrides(args.ds_config, source, recipe, world_size)
+    return prediction
+
+
+def _setup_warnings(args: RunArgs, world_size: int, resolved: dict, spec: RecomputeSpec, plan: ACPlan,
+                    memory_plan, trained: str) -> list[str]:
+    """Legal settings that do less than asked or cost more than they should: one warning line each."""
+    recipe, source = args.recipe, args.ds_config_path
+    warnings = recipe_overrides(args.ds_config, source, recipe, world_size)
     warnings += groups_across_nodes(tp_size(args.ds_config), recipe.parallel.sequence, world_size, source)
     warnings += [w for w in (ds_checks.build_notice(resolved),) if w]
     warnings += ds_checks.clear_stale_build_locks()
@@ -532,10 +352,38 @@ def check_run(args: RunArgs, world_size: int) -> Checked:
                         "directory (fine for testing the pipeline)")
     if memory_plan is None and recipe.activation_checkpointing.memory_budget is not None:
         warnings.append(f"activation_checkpointing.memory_budget is ignored by policy '{plan.policy}' (used by 'auto')")
+    return warnings
+
+
+def resolve_run(args: RunArgs, world_size: int) -> RunSetup:
+    """The run resolved once, cheapest check first; raises UserError (one line) on the first mistake."""
+    recipe = args.recipe
+    warnings = check_json(args.ds_config, args.ds_config_path, recipe, world_size)
+    resume = check_run_dir(args, world_size)
+    if resume is not None:
+        warnings += resume.warnings(args.run_dir / "checkpoints")
+    with _naming_recipe(args):
+        files, tokenizer = _data_inputs(recipe)
+        config, model, model_warnings = _meta_model(recipe, tokenizer)
+        trained = _trainable_line(model, recipe)
+        spec, zero3 = resolve_spec(recipe, args.ds_config, world_size, run_device(), model)
+        plan, memory_plan = _ac_plan(spec, args, world_size, config, model)
+        long_context.check(recipe, args.ds_config, config, world_size)
+        compiled = _compile_choice(recipe, args.ds_config, plan, zero3, model)
+    _check_layout(args, config, model, world_size)
+    if resume is not None and is_rank_zero():  # rank 0 decides the checkpoint every rank loads (checkpoint.load)
+        check_shapes(args.run_dir / "checkpoints" / resume.tag, model,
+                     packed_shapes(model) if recipe.model.quantization is not None else None)
+    resolved = _resolved_json(args, config, plan, zero3)
+    check_quantized_base(resolved, recipe, args.ds_config_path, compiled.on)  # QLoRA: what a 4-bit base cannot run with
+    plan = with_expected_bytes(plan, config, recipe, resolved)
+    prediction = _prediction(args, world_size, plan, config, memory_plan, compiled)
+    gathered = final_bytes(model, args.ds_config, recipe.train)
+    check_host_memory(prediction, world_size, final=gathered)
+    warnings += model_warnings + _setup_warnings(args, world_size, resolved, spec, plan, memory_plan, trained)
     experts = experts_line(config, compute_dtype(args.ds_config, run_device()))
-    model_lines = tuple(line for line in (trained, experts) if line)
-    return Checked(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec, model_lines, prediction,
-                   compiled, gathered)
+    return RunSetup(files, tokenizer, config, plan, tuple(warnings), memory_plan, zero3, spec,
+                    tuple(line for line in (trained, experts) if line), prediction, compiled, gathered)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -549,7 +397,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from memtrain.model.data import prepare_data
 
     args = parse_args(sys.argv[1:] if argv is None else argv, preflight_parser())
-    check_run(args, args.world_size)
+    resolve_run(args, args.world_size)
     if args.resume:  # a checkpoint of another world size: converted here, once (memtrain.train.reshard)
         reshard.prepare(args.run_dir / "checkpoints", args.world_size)
     recipe = args.recipe

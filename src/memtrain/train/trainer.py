@@ -43,7 +43,7 @@ from memtrain.train.loss_scale import scaler_row, skipped_warning
 from memtrain.train.metrics import medians
 from memtrain.train.node import agent_ranks
 from memtrain.train.optimizer import engine_arguments, own_sections
-from memtrain.train.preflight import check_host_memory, check_run
+from memtrain.train.preflight import check_host_memory, resolve_run
 from memtrain.train.run_dir import RunDir
 from memtrain.train.zero3_probe import OpCounter, Zero3Probe, summarize
 from memtrain.units import GIB
@@ -284,7 +284,7 @@ class Trainer:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         recipe, t, world = args.recipe, args.recipe.train, progress.world
         set_local_device()  # before validation: policy auto times this rank's own device
-        checked = check_run(args, world)  # validate everything: the same check `make train` runs first
+        checked = resolve_run(args, world)  # validate everything: the same check `make train` runs first
         data, eval_data, gloo_warning = _meet_the_ranks(recipe, args.ds_config, world, checked.config.vocab_size)
         _check_the_nodes_host_memory(checked, world)
         # a stop signal on any rank stops all within two steps; rank 0's clock decides timed saves
