@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from chatml import chatml_tokenizer
 from memtrain.config.recipe import load_recipe

@@ -163,7 +163,7 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_disk):
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
     errors = [line for line in failed.stderr.splitlines() if "memtrain: error:" in line]
     assert len(errors) == 1 and errors[0].startswith(
-        f"memtrain: error: disk full: the model checkpoint of step 1 needs about "), errors[0]
+        "memtrain: error: disk full: the model checkpoint of step 1 needs about "), errors[0]
     assert f"in {fresh / 'checkpoints'}, which has" in errors[0] and "no earlier model checkpoint" in errors[0]
     assert not (fresh / "checkpoints").exists() or not any((fresh / "checkpoints").iterdir())
     summary = json.loads((fresh / "summary.json").read_text())

@@ -4,9 +4,7 @@ collective timeout still ends with both ranks done, rank 0 never held the whole 
 the model that was streamed."""
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 
 from conftest import ROOT, _env, _free_port
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from memtrain.train import local_launch
 from memtrain.train.local_launch import Local, parse

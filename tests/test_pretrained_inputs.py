@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 
 import numpy as np
 import pytest

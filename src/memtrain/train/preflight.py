@@ -169,7 +169,6 @@ def _byte_tokenizer_warning(recipe, tokenizer, config) -> list[str]:
 def groups_across_nodes(tp: int, sp: int, world_size: int, source: str) -> list[str]:
     """A tensor- or sequence-parallel group of consecutive ranks that spans nodes (its size above the ranks per node, or
     not dividing them) puts every layer's all-reduces or all-to-alls on the inter-node fabric: a warning line."""
-    import os
 
     per_node = agent_ranks(world_size)  # a worker knows its agent's; make train: all
     found = []
@@ -185,7 +184,6 @@ def groups_across_nodes(tp: int, sp: int, world_size: int, source: str) -> list[
 def final_bytes(model, ds_config: dict, train) -> int:
     """Host bytes rank 0 gathers at the end of a run for final/: the whole model in the compute dtype (DeepSpeed's
     16-bit consolidation), on the node that holds global rank 0 only (its agent's first rank is rank 0)."""
-    import os
 
     import torch
 
@@ -201,7 +199,6 @@ def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] 
     at the end (`final`). Against what this node can still allocate (MemAvailable, the cgroup's room: a Slurm job's
     --mem), before any worker starts: one line. `ranks_on_node`: counted across the node's launcher agents once the
     ranks have met (the trainer); before, this agent's ranks."""
-    import os
     import socket
 
     from memtrain.memory.host import available_bytes

@@ -10,7 +10,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from memtrain.config.ds_config import offload_device, tp_size, zero_stage
 from memtrain.errors import UserError

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from memtrain.errors import ArgumentParser, UserError, cli_entry
+from memtrain.errors import UserError, cli_entry
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.bench.setups import DEFAULT_SETUPS, parse_setup
 from memtrain.tools.flags import BENCH_RECIPE, GPU_CHECK_TIMEOUT_S, bench_parser, gpu_check_parser
