@@ -133,6 +133,7 @@ gpu-wheels: setup
 ## test: the whole suite (CPU), its files spread over TEST_WORKERS pytest-xdist workers (0: in one process); xdist
 ## starts the files with the most tests first, test_zero3_hooks.py's one long launch among them
 test: setup
+	$(BIN)/ruff check -q src tests
 	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## test-multinode: two torchrun agents as two nodes on this machine (tests/test_multinode.py); .ci/run runs it after make test

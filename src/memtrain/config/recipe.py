@@ -115,7 +115,8 @@ class ModelSection(_Strict):
     @model_validator(mode="after")
     def _adapters_on_a_quantized_base(self):
         if self.quantization is not None and self.lora is None:
-            raise ValueError("model.quantization needs model.lora: a 4-bit base cannot train itself (its weights are frozen codes); add model.lora "
+            raise ValueError("model.quantization needs model.lora: a 4-bit base cannot train itself "
+                             "(its weights are frozen codes); add model.lora "
                              "(QLoRA), or leave model.quantization unset to fine-tune every weight")
         return self
 
@@ -317,7 +318,8 @@ class ACSection(_Strict):
     """Run each decoder layer's MLP in N slices of the sequence (DeepSpeed's TiledMLP; the backward
     recomputes a slice): auto = ceil(tokens per rank / hidden); 0 or 1: untiled (memtrain.model.tiled_mlp)."""
     memory_budget: Optional[PositiveFloat] = None
-    """policy 'auto': GiB per device (or a size: 40GiB, 80GB; memtrain.units) the predicted peak must fit (memtrain.memory.planner picks, per layer,
+    """policy 'auto': GiB per device (or a size: 40GiB, 80GB; memtrain.units) the predicted peak must fit
+    (memtrain.memory.planner picks, per layer,
     keep/op/attn/mlp/full/full+offload with the least predicted step time). On CPU the budget
     applies to the predicted model states + activations, not to the process RSS."""
 

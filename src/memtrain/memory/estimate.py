@@ -35,4 +35,10 @@ from memtrain.memory.rates import Rates, measure_rates
 from memtrain.memory.states import ModelStates, model_states
 from memtrain.memory.target import Target, compute_dtype, make_target, model_and_config, recompute_spec
 
-__all__ = ["predict", "ALLOCATOR_MARGIN", "ALLOCATOR_MARGIN_BYTES", "ActivationProfile", "CUDA_BLOCK", "LayerCost", "MODULES", "LayerChoice", "ModelStates", "Prediction", "Rates", "Target", "Unit", "activation_peak", "allocator_margin", "as_choice", "compute_dtype", "fake_model", "layer_footprint", "make_target", "mode_plan", "measure_rates", "model_and_config", "model_states", "modules_mode", "plan_choices", "plan_units", "predict_plan", "profile_activations", "recompute_spec", "supported_modes", "unit_footprint"]
+__all__ = [
+    "predict", "ALLOCATOR_MARGIN", "ALLOCATOR_MARGIN_BYTES", "ActivationProfile", "CUDA_BLOCK", "LayerCost",
+    "MODULES", "LayerChoice", "ModelStates", "Prediction", "Rates", "Target", "Unit", "activation_peak",
+    "allocator_margin", "as_choice", "compute_dtype", "fake_model", "layer_footprint", "make_target", "mode_plan",
+    "measure_rates", "model_and_config", "model_states", "modules_mode", "plan_choices", "plan_units",
+    "predict_plan", "profile_activations", "recompute_spec", "supported_modes", "unit_footprint",
+]

@@ -126,7 +126,8 @@ def _trainable(recipe) -> tuple[int, int]:
         from memtrain.model.lora import add_lora
 
         add_lora(model, recipe.model.lora)
-    return count_trainable(model, trainable_patterns(model, recipe.model.lora, t.trainable), t.frozen), sum(p.numel() for p in model.parameters())
+    trained = count_trainable(model, trainable_patterns(model, recipe.model.lora, t.trainable), t.frozen)
+    return trained, sum(p.numel() for p in model.parameters())
 
 def model_and_config(recipe, seq_len: Optional[int] = None):
     """The transformers config the trainer builds for this recipe (tokenizer included)."""

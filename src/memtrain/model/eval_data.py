@@ -2,7 +2,8 @@
 
 The eval rows are cut like the training rows (same tokenizer, seq_len and format) from data.eval_paths' files, or
 from the documents data.eval_fraction holds out of the training corpus (memtrain.model.sample_view: no eval document
-is ever in a training row), and an eval pass reads the first rows in order: the same rows at every eval of a run and of its resumed segments, so
+is ever in a training row), and an eval pass reads the first rows in order: the same rows at every eval of a run and of its
+resumed segments, so
 eval losses compare across steps, runs and sweep points.
 """
 from __future__ import annotations

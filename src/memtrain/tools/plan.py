@@ -26,7 +26,8 @@ from memtrain.memory.states import model_states
 from memtrain.memory.target import make_target, model_and_config, recompute_spec
 from memtrain.tools.max_seq import largest
 from memtrain.tools.flags import plan_parser
-from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, may_offload, predicted_plan, smallest_peak, what_fits)
+from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, may_offload,
+                                     predicted_plan, smallest_peak, what_fits)
 
 POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
              "full+offload": "full + cpu_checkpointing"}  # a LayerChoice as printed -> the policy it is
@@ -69,7 +70,8 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
     rates = measure_rates(target.dtype)
     choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
     report = {
-        "recipe": recipe.name, "data_format": recipe.data.format, "model_type": config.model_type, "num_layers": profile.num_layers,
+        "recipe": recipe.name, "data_format": recipe.data.format, "model_type": config.model_type,
+        "num_layers": profile.num_layers,
         "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": target.to_dict(),
         "zero_stage": zero_stage(ds_config), "ac_backend": spec.backend, "rates": rates.to_dict(),
         "rates_note": ("measured on this machine's GPU" if rates.device == target.device == "cuda" else

@@ -312,7 +312,8 @@ def record_outcome(point: Point, returncode: int) -> dict:
 
     status = "oom" if is_oom_text(stderr) else "failed"
     summary = {"status": status, "reason": reason, "returncode": returncode, "steps": last_step(stderr),
-               "run_dir": str(point.run_dir), "tensorboard": str(RunDir(point.run_dir).tensorboard), "written_by": "memtrain.tools.sweep"}
+               "run_dir": str(point.run_dir), "tensorboard": str(RunDir(point.run_dir).tensorboard),
+               "written_by": "memtrain.tools.sweep"}
     RunDir(point.run_dir).summary_file.write_text(json.dumps(summary, indent=2))
     return summary
 

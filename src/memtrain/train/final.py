@@ -2,7 +2,8 @@
 
 In transformers' layout (safetensors), so that `AutoModelForCausalLM.from_pretrained(final)` loads it with no
 DeepSpeed. The weights are gathered one module at a time, ZeRO partitions and tensor-parallel shards alike, in the
-engine's compute dtype, and rank 0 writes them shard by shard as they arrive (memtrain.train.final_weights). A LoRA run (memtrain.model.lora) writes the merged model
+engine's compute dtype, and rank 0 writes them shard by shard as they arrive (memtrain.train.final_weights).
+A LoRA run (memtrain.model.lora) writes the merged model
 and, in `final/adapter/`, the adapters alone. `python -m memtrain export` writes the same from a saved
 model checkpoint (memtrain.tools.export).
 

@@ -147,7 +147,8 @@ def _trainable_line(model, recipe) -> str:
     if lora:  # what trains beside the adapters fits in final/adapter (peft's modules_to_save), or one line now
         saved_with_adapters(model, lora, train.trainable, train.frozen)
     total = sum(p.numel() for p in model.parameters())
-    adapters = [f"LoRA r={lora.r} alpha={lora.alpha:g} on {lora.target_modules if isinstance(lora.target_modules, str) else ', '.join(lora.target_modules)}"] if lora else []
+    targets = lora and (lora.target_modules if isinstance(lora.target_modules, str) else ', '.join(lora.target_modules))
+    adapters = [f"LoRA r={lora.r} alpha={lora.alpha:g} on {targets}"] if lora else []
     which = "; ".join(adapters + [f"{key} {', '.join(v)}" for key, v in (("train.trainable", train.trainable),
                                                                          ("train.frozen", train.frozen)) if v])
     return (f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%) ({which}); "

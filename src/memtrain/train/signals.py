@@ -1,4 +1,5 @@
-"""Stop signals (SIGTERM, SIGINT, SIGUSR1): recorded from the first line of `src/train.py` on, agreed on by every rank within two steps.
+"""Stop signals (SIGTERM, SIGINT, SIGUSR1): recorded from the first line of `src/train.py` on,
+agreed on by every rank within two steps.
 
 `install()` runs before anything slow (imports of torch and DeepSpeed, validation, the model build),
 so a signal during start-up is recorded rather than killing the process with the signal's default
