@@ -12,6 +12,7 @@ A build in progress also keeps progress.json (memtrain.model.store_progress), so
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import itertools
 import json
@@ -24,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -38,6 +39,21 @@ MANIFEST = "manifest.json"
 CHUNK_CHARS = 4_000_000  # text per worker task: memory in flight is about 2 x workers x this
 CHUNK_DOCS = 4096
 SPLIT_SALT = b"memtrain-eval-split-1"  # fixed: the split does not move with train.seed
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a store holds and how a build makes it: text documents (`text_contents`) or chat samples
+    (memtrain.model.chat_store). `items(position)` yields (item, its size in characters, the reading position after
+    it) from a position (None: the start); `tokenize(chunk of items)` gives (ids end to end, tokens per stored
+    item, one array per file of `files` after tokens.bin and offsets.bin, the items skipped by reason)."""
+
+    name: str
+    files: tuple[str, ...]
+    items: Callable[[Optional[dict]], Iterator[tuple[object, int, dict]]]
+    tokenize: Callable[[list], tuple[np.ndarray, np.ndarray, list, dict]]
+
+
 def default_workers() -> int:
     """The cores this process may run on (data.workers unset)."""
     return len(os.sched_getaffinity(0))
@@ -69,9 +85,9 @@ class TokenStore:
     @classmethod
     def open(cls, path: Path) -> "TokenStore":
         manifest = json.loads((path / MANIFEST).read_text())
-        tokens = _memmap(path / "tokens.bin", np.dtype(manifest["dtype"]))
-        return cls(path, tokens, _memmap(path / "offsets.bin", np.int64), _memmap(path / "doc_hash.bin", np.uint64),
-                   manifest)
+        tokens = memmap_file(path / "tokens.bin", np.dtype(manifest["dtype"]))
+        return cls(path, tokens, memmap_file(path / "offsets.bin", np.int64),
+                   memmap_file(path / "doc_hash.bin", np.uint64), manifest)
 
     @property
     def documents(self) -> int:
@@ -82,7 +98,8 @@ class TokenStore:
         return self.doc_hash < np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
 
 
-def _memmap(path: Path, dtype) -> np.ndarray:
+def memmap_file(path: Path, dtype) -> np.ndarray:
+    """A store's file memory-mapped read-only (an empty file as an empty array)."""
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")
@@ -92,8 +109,28 @@ def open_store(files: list[Path], cfg: DataSection, tokenizer, build: bool = Tru
     """The corpus's store, built first when missing (`build=False`: FileNotFoundError instead)."""
     target = Path(cfg.cache_dir) / f"store-{store_key(files, cfg, tokenizer)}"
     workers = cfg.workers or default_workers()
-    build_once(target, build, lambda tmp: write_store(tmp, files, cfg, tokenizer, workers))
+    build_once(target, build, lambda tmp: write_store(tmp, files, cfg, tokenizer, workers,
+                                                       text_contents(files, cfg, tokenizer)))
     return TokenStore.open(target)
+
+
+def store_dtype(tokenizer) -> np.dtype:
+    """uint16 where the vocabulary fits, else uint32."""
+    return np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+
+
+def text_contents(files: list[Path], cfg: DataSection, tokenizer) -> Contents:
+    """A text corpus's store: its documents, each followed by EOS, and each document's text hash."""
+    def items(position):
+        return ((text, len(text), after) for text, after in positioned_documents(files, cfg, position))
+
+    return Contents("text", ("tokens.bin", "offsets.bin", "doc_hash.bin"), items,
+                    functools.partial(_text_tokenize, tokenizer, store_dtype(tokenizer)))
+
+
+def _text_tokenize(tokenizer, dtype, chunk: list[str]):
+    ids, lengths, hashes = tokenize_chunk(chunk, tokenizer, dtype)
+    return ids, lengths, [hashes], {}
 
 
 # --------------------------------------------------------------------------- one builder per store
@@ -193,27 +230,30 @@ def _fsync_dir(path: Path) -> None:
 
 # --------------------------------------------------------------------------- building a store
 
-def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, workers: int) -> dict:
+def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, workers: int, contents: Contents) -> dict:
     """Tokenize the corpus into the store directory `out` (see the module's docstring); returns its manifest. Where
     `out` holds a killed build's checkpoint (memtrain.model.store_progress), continue from its last chunk."""
     start = time.perf_counter()
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    progress = _continued_or_new(out, dtype)
-    handles = [open(out / name, "ab") for name in store_progress.FILES]
-    tokens_f, offsets_f, hash_f = handles
+    dtype = store_dtype(tokenizer)
+    progress = _continued_or_new(out, dtype, contents.files)
+    handles = [open(out / name, "ab") for name in contents.files]
+    tokens_f, offsets_f, *extra_f = handles
     bar = _progress_bar(files, cfg, progress.chars)
     try:
-        texts = positioned_documents(files, cfg, progress.position)
-        for chunk_chars, position, (ids, lengths, hashes) in _tokenized(_chunks(texts), tokenizer, dtype, workers):
+        chunks = _chunks(contents.items(progress.position))
+        for chunk_chars, position, (ids, lengths, extra, skipped) in _tokenized(chunks, contents.tokenize, workers):
             tokens_f.write(ids.tobytes())
             offsets_f.write((progress.tokens + np.cumsum(lengths)).tobytes())
-            hash_f.write(hashes.tobytes())
+            for f, array in zip(extra_f, extra):
+                f.write(array.tobytes())
             progress.tokens += int(lengths.sum())
             progress.documents += len(lengths)
             progress.chars += chunk_chars
             progress.chunks += 1
             progress.position = position
-            store_progress.save(out, progress, handles)
+            for why, n in skipped.items():
+                progress.skipped[why] = progress.skipped.get(why, 0) + n
+            store_progress.save(out, progress, dict(zip(contents.files, handles)))
             bar.update(chunk_chars)
     finally:
         bar.close()
@@ -222,11 +262,11 @@ def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, worke
             os.fsync(f.fileno())
             f.close()
     (out / store_progress.PROGRESS).unlink(missing_ok=True)
-    manifest = {"format": FORMAT, "documents": progress.documents, "tokens": progress.tokens, "chars": progress.chars,
-                "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id,
-                "tokenizer": tokenizer.name, "text_key": cfg.text_key, "max_bytes": cfg.max_bytes,
-                "files": [str(f.resolve()) for f in files], "workers": workers,
-                "seconds": round(time.perf_counter() - start, 3)}
+    manifest = {"format": FORMAT, "contents": contents.name, "documents": progress.documents, "tokens": progress.tokens,
+                "chars": progress.chars, "skipped": progress.skipped, "dtype": dtype.name,
+                "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id, "tokenizer": tokenizer.name,
+                "text_key": cfg.text_key, "max_bytes": cfg.max_bytes, "files": [str(f.resolve()) for f in files],
+                "workers": workers, "seconds": round(time.perf_counter() - start, 3)}
     with open(out / MANIFEST, "w") as f:  # last: a directory without it was never finished
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -235,18 +275,18 @@ def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, worke
     return manifest
 
 
-def _continued_or_new(out: Path, dtype: np.dtype) -> store_progress.Progress:
+def _continued_or_new(out: Path, dtype: np.dtype, files: tuple[str, ...]) -> store_progress.Progress:
     """A killed build's checkpoint in `out`, its files cut back to it; else `out` made afresh, with one line when a
     left build cannot be continued."""
     if out.exists():
-        progress, why = store_progress.resume(out, FORMAT, dtype.name)
+        progress, why = store_progress.resume(out, FORMAT, dtype.name, files)
         if progress is not None:
             return progress
         print(f"memtrain: data: the interrupted build in {out} cannot be continued ({why}); restarting it from the "
               "start", file=sys.stderr, flush=True)
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    for name in store_progress.FILES:
+    for name in files:
         (out / name).write_bytes(np.zeros(1, np.int64).tobytes() if name == "offsets.bin" else b"")
     return store_progress.Progress(FORMAT, dtype.name)
 
@@ -261,45 +301,44 @@ def _progress_bar(files: list[Path], cfg: DataSection, done: int = 0):
                 mininterval=1.0, disable=total < 32_000_000 and not sys.stderr.isatty())
 
 
-def _chunks(texts: Iterator[tuple[str, dict]]) -> Iterator[tuple[list[str], dict]]:
-    """Documents in order, grouped into worker tasks of about CHUNK_CHARS characters, each with the reading position
-    after its last document. A chunk ends where the documents since the last one reach a size, so a build continued
+def _chunks(items: Iterator[tuple[object, int, dict]]) -> Iterator[tuple[list, int, dict]]:
+    """Items in order, grouped into worker tasks of about CHUNK_CHARS characters, each with its size and the reading
+    position after its last item. A chunk ends where the items since the last one reach a size, so a build continued
     from a chunk's end cuts the chunks that follow as an uninterrupted build does."""
-    chunk: list[str] = []
+    chunk: list = []
     size = 0
     position = None
-    for text, position in texts:
-        chunk.append(text)
-        size += len(text)
+    for item, chars, position in items:
+        chunk.append(item)
+        size += chars
         if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
-            yield chunk, position
+            yield chunk, size, position
             chunk, size = [], 0
     if chunk:
-        yield chunk, position
+        yield chunk, size, position
 
 
-def _tokenized(chunks: Iterator[tuple[list[str], dict]], tokenizer, dtype, workers: int):
-    """(characters, position, tokenize_chunk(chunk)) for each chunk, in chunk order whatever the worker count: one
-    worker, or a corpus of one chunk, tokenizes here; more run in forked processes, at most 2 x workers chunks in
-    flight."""
+def _tokenized(chunks: Iterator[tuple[list, int, dict]], tokenize: Callable, workers: int):
+    """(characters, position, tokenize(chunk)) for each chunk, in chunk order whatever the worker count: one worker,
+    or a corpus of one chunk, tokenizes here; more run in forked processes, at most 2 x workers chunks in flight."""
     chunks = iter(chunks)
     head = [c for c in (next(chunks, None), next(chunks, None)) if c is not None]
     if workers <= 1 or len(head) < 2:
-        for chunk, position in itertools.chain(head, chunks):
-            yield sum(map(len, chunk)), position, tokenize_chunk(chunk, tokenizer, dtype)
+        for chunk, size, position in itertools.chain(head, chunks):
+            yield size, position, tokenize(chunk)
         return
-    yield from _tokenized_in_pool(itertools.chain(head, chunks), tokenizer, dtype, workers)
+    yield from _tokenized_in_pool(itertools.chain(head, chunks), tokenize, workers)
 
 
-def _tokenized_in_pool(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
+def _tokenized_in_pool(chunks: Iterator[tuple[list, int, dict]], tokenize: Callable, workers: int):
     import multiprocessing
 
     context = multiprocessing.get_context("fork")  # the tokenizer is inherited, not pickled
-    pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype))
+    pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenize,))
     try:
         pending: deque = deque()
-        for chunk, position in chunks:
-            pending.append((sum(map(len, chunk)), position, pool.apply_async(_tokenize_in_worker, (chunk,))))
+        for chunk, size, position in chunks:
+            pending.append((size, position, pool.apply_async(_tokenize_in_worker, (chunk,))))
             if len(pending) >= 2 * workers:
                 size, position, result = pending.popleft()
                 yield size, position, result.get()
@@ -315,18 +354,18 @@ def _tokenized_in_pool(chunks: Iterator[list[str]], tokenizer, dtype, workers: i
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer, dtype) -> None:
+def _init_worker(tokenize: Callable) -> None:
     """A worker forked from a run inherits its stop-signal handlers (memtrain.train.signals records SIGTERM rather than
     dying): a worker dies on SIGTERM (the pool's terminate) and leaves SIGINT and SIGUSR1 to the building process."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the pool is the parallelism
-    _WORKER.update(tokenizer=tokenizer, dtype=dtype)
+    _WORKER.update(tokenize=tokenize)
 
 
-def _tokenize_in_worker(chunk: list[str]):
-    return tokenize_chunk(chunk, _WORKER["tokenizer"], _WORKER["dtype"])
+def _tokenize_in_worker(chunk: list):
+    return _WORKER["tokenize"](chunk)
 
 
 def tokenize_chunk(texts: list[str], tokenizer, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
