@@ -161,11 +161,12 @@ def _cache_files(cache) -> dict:
 
 
 def test_the_chat_store_packs_as_by_hand_and_a_new_seq_len_or_truncate_renders_nothing(tokenizer_dir, tmp_path,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, capsys):
     """Conversations rendered once into the chat store (ids and assistant mask), then packed at read time: every row
     equals the conversations tokenized by hand with the template and packed first fit, for seq_len 128, 96 and,
     truncated, 48; the second and third open the same store, writing nothing in the cache. Rendered in chunks of 2
-    rows by 2 worker processes, the store is byte for byte the one a single process writes."""
+    rows by 2 worker processes, the store is byte for byte the one a single process writes, and the one a build
+    stopped after 2 chunks (Ctrl-C) and continued writes."""
     from memtrain.model import token_store
 
     monkeypatch.setattr(token_store, "CHUNK_DOCS", 2)
@@ -196,8 +197,28 @@ def test_the_chat_store_packs_as_by_hand_and_a_new_seq_len_or_truncate_renders_n
     assert json.loads(manifest.read_text())["workers"] == 2
     prepare_data(load_recipe(None, [*common, f"data.cache_dir={tmp_path / 'one'}", "data.workers=1"]).data, 0)
     (single,) = (tmp_path / "one").glob("chat-*/")
+    from memtrain.model import chat_store, store_progress
+
+    encode_rows, calls = chat_store.encode_rows, []
+
+    def stopped(*args):  # the third chunk: a Ctrl-C
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return encode_rows(*args)
+
+    monkeypatch.setattr(store_progress, "EVERY_S", 0.0)
+    monkeypatch.setattr(chat_store, "encode_rows", stopped)
+    stopped_cfg = load_recipe(None, [*common, f"data.cache_dir={tmp_path / 'stopped'}", "data.workers=1"]).data
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(stopped_cfg, 0)
+    monkeypatch.setattr(chat_store, "encode_rows", encode_rows)
+    capsys.readouterr()
+    prepare_data(stopped_cfg, 0)
+    assert "; continuing from its chunk 2 (4 documents" in capsys.readouterr().err
+    (continued,) = (tmp_path / "stopped").glob("chat-*/")
     for name in ("tokens.bin", "offsets.bin", "mask.bin", "trained.bin"):
-        assert (single / name).read_bytes() == (manifest.parent / name).read_bytes(), name
+        assert (single / name).read_bytes() == (manifest.parent / name).read_bytes() == (continued / name).read_bytes()
 
 
 def test_trainer_trains_on_chat_rows_and_counts_real_tokens(tokenizer_dir, tmp_path):
