@@ -166,7 +166,7 @@ def test_the_chat_store_packs_as_by_hand_and_a_new_seq_len_or_truncate_renders_n
     equals the conversations tokenized by hand with the template and packed first fit, for seq_len 128, 96 and,
     truncated, 48; the second and third open the same store, writing nothing in the cache. Rendered in chunks of 2
     rows by 2 worker processes, the store is byte for byte the one a single process writes, and the one a build
-    stopped after 2 chunks (Ctrl-C) and continued writes."""
+    stopped after 2 chunks (Ctrl-C) and continued writes, and the one prepare-data writes ahead of a job."""
     from memtrain.model import token_store
 
     monkeypatch.setattr(token_store, "CHUNK_DOCS", 2)
@@ -219,6 +219,16 @@ def test_the_chat_store_packs_as_by_hand_and_a_new_seq_len_or_truncate_renders_n
     (continued,) = (tmp_path / "stopped").glob("chat-*/")
     for name in ("tokens.bin", "offsets.bin", "mask.bin", "trained.bin"):
         assert (single / name).read_bytes() == (manifest.parent / name).read_bytes() == (continued / name).read_bytes()
+    # prepare-data builds the same store ahead of a job, and says how the run packs it
+    from memtrain.tools.prepare_data import main
+
+    for cache_dir, how in ((cache, "already built"), (tmp_path / "ahead", "built in")):
+        main([a for key in [*common, f"data.cache_dir={cache_dir}", "data.seq_len=128"] for a in ("--set", key)])
+        line = capsys.readouterr().out.strip()
+        assert line.startswith(f"memtrain prepare-data: {len(conversations)} chat samples, "
+                               f"{sum(len(ids) for ids, _ in by_hand)} tokens, {how}") and "\n" not in line, line
+        assert f"; data: chat, {len(conversations)} samples in 3 rows of 128 tokens (" in line, line
+    assert (next((tmp_path / "ahead").glob("chat-*/")) / "tokens.bin").read_bytes() == (single / "tokens.bin").read_bytes()
 
 
 def test_trainer_trains_on_chat_rows_and_counts_real_tokens(tokenizer_dir, tmp_path):

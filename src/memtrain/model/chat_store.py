@@ -14,7 +14,6 @@ A store is a directory `<cache_dir>/chat-<key>/`:
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -26,8 +25,8 @@ from memtrain.errors import UserError
 from memtrain.model.chat_data import ChatSamples, encode_row
 from memtrain.model.chat_rows import columns
 from memtrain.model.corpus_reader import builder_for, positioned_records
-from memtrain.model.token_store import (FORMAT, MANIFEST, Contents, build_once, default_workers, memmap_file,
-                                        store_dtype, write_store)
+from memtrain.model.token_store import (FORMAT, MANIFEST, Contents, build_once, default_workers, files_hash,
+                                        memmap_file, store_dtype, write_store)
 
 MASK_RULE = "assistant-tokens-1"  # which tokens the loss trains on: bump when that changes, and old stores go
 FILES = ("tokens.bin", "offsets.bin", "mask.bin", "trained.bin")
@@ -38,14 +37,16 @@ def chat_store_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
     """What a chat store's ids and masks depend on: each file (resolved path, size, mtime), the tokenizer (name and
     fingerprint), its chat template (after data.chat_template), the columns read and the mask rule; not seq_len,
     data.truncate, micro-batch or world size."""
-    h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h = files_hash(files)
     read = {key: getattr(cfg, key) for key in COLUMN_KEYS} | {"sharegpt": cfg.sharegpt.model_dump(mode="json")}
     h.update(json.dumps([FORMAT, MASK_RULE, tokenizer.name, tokenizer.fingerprint,
                          str(getattr(tokenizer.hf, "chat_template", None)), read], sort_keys=True).encode())
     return h.hexdigest()[:20]
+
+
+def chat_store_path(files: list[Path], cfg: DataSection, tokenizer) -> Path:
+    """Where the rows' store is (or will be)."""
+    return Path(cfg.cache_dir) / f"chat-{chat_store_key(files, cfg, tokenizer)}"
 
 
 def open_chat_samples(files: list[Path], cfg: DataSection, tokenizer, build: bool = True) -> ChatSamples:
@@ -55,7 +56,7 @@ def open_chat_samples(files: list[Path], cfg: DataSection, tokenizer, build: boo
         if builder_for(f) == "text":
             raise UserError(f"data.paths: {f}: data.format '{cfg.format}' reads JSON lines or parquet, not "
                             f"{f.suffix or 'extensionless'} files")
-    target = Path(cfg.cache_dir) / f"chat-{chat_store_key(files, cfg, tokenizer)}"
+    target = chat_store_path(files, cfg, tokenizer)
     workers = cfg.workers or default_workers()
     build_once(target, build, lambda tmp: write_store(tmp, files, cfg, tokenizer, workers,
                                                        chat_contents(files, cfg, tokenizer)))

@@ -59,13 +59,19 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def store_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
-    """What a store's tokens depend on: each file (resolved path, size, mtime), the tokenizer (name and a hash of
-    what it encodes), data.text_key and data.max_bytes; not seq_len, micro-batch or world size."""
+def files_hash(files: list[Path]):
+    """A sha256 fed with each file's resolved path, size and mtime: the files part of a store's key."""
     h = hashlib.sha256()
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h
+
+
+def store_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
+    """What a store's tokens depend on: each file (resolved path, size, mtime), the tokenizer (name and a hash of
+    what it encodes), data.text_key and data.max_bytes; not seq_len, micro-batch or world size."""
+    h = files_hash(files)
     h.update(json.dumps([FORMAT, tokenizer.name, tokenizer.fingerprint, cfg.text_key, cfg.max_bytes]).encode())
     return h.hexdigest()[:20]
 
