@@ -46,12 +46,14 @@ class Contents:
     """What a store holds and how a build makes it: text documents (`text_contents`) or chat samples
     (memtrain.model.chat_store). `items(position)` yields (item, its size in characters, the reading position after
     it) from a position (None: the start); `tokenize(chunk of items)` gives (ids end to end, tokens per stored
-    item, one array per file of `files` after tokens.bin and offsets.bin, the items skipped by reason)."""
+    item, one array per file of `files` after tokens.bin and offsets.bin, the items skipped by reason); `max_chars`:
+    where reading stops (data.max_bytes for text; None: every file whole), for the progress bar."""
 
     name: str
     files: tuple[str, ...]
     items: Callable[[Optional[dict]], Iterator[tuple[object, int, dict]]]
     tokenize: Callable[[list], tuple[np.ndarray, np.ndarray, list, dict]]
+    max_chars: Optional[int] = None
 
 
 def default_workers() -> int:
@@ -131,7 +133,7 @@ def text_contents(files: list[Path], cfg: DataSection, tokenizer) -> Contents:
         return ((text, len(text), after) for text, after in positioned_documents(files, cfg, position))
 
     return Contents("text", ("tokens.bin", "offsets.bin", "doc_hash.bin"), items,
-                    functools.partial(_text_tokenize, tokenizer, store_dtype(tokenizer)))
+                    functools.partial(_text_tokenize, tokenizer, store_dtype(tokenizer)), cfg.max_bytes)
 
 
 def _text_tokenize(tokenizer, dtype, chunk: list[str]):
@@ -244,7 +246,7 @@ def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, worke
     progress = _continued_or_new(out, dtype, contents.files)
     handles = [open(out / name, "ab") for name in contents.files]
     tokens_f, offsets_f, *extra_f = handles
-    bar = _progress_bar(files, cfg, progress.chars)
+    bar = _progress_bar(files, contents.max_chars, progress.chars)
     try:
         chunks = _chunks(contents.items(progress.position))
         for chunk_chars, position, (ids, lengths, extra, skipped) in _tokenized(chunks, contents.tokenize, workers):
@@ -271,7 +273,8 @@ def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, worke
     manifest = {"format": FORMAT, "contents": contents.name, "documents": progress.documents, "tokens": progress.tokens,
                 "chars": progress.chars, "skipped": progress.skipped, "dtype": dtype.name,
                 "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id, "tokenizer": tokenizer.name,
-                "text_key": cfg.text_key, "max_bytes": cfg.max_bytes, "files": [str(f.resolve()) for f in files],
+                "text_key": cfg.text_key, "max_bytes": contents.max_chars,
+                "files": [str(f.resolve()) for f in files],
                 "workers": workers, "seconds": round(time.perf_counter() - start, 3)}
     with open(out / MANIFEST, "w") as f:  # last: a directory without it was never finished
         json.dump(manifest, f, indent=1)
@@ -297,12 +300,12 @@ def _continued_or_new(out: Path, dtype: np.dtype, files: tuple[str, ...]) -> sto
     return store_progress.Progress(FORMAT, dtype.name)
 
 
-def _progress_bar(files: list[Path], cfg: DataSection, done: int = 0):
+def _progress_bar(files: list[Path], max_chars: Optional[int], done: int = 0):
     """Bytes read, MB/s and ETA on the building process; off for a small corpus (done in seconds)."""
     from tqdm import tqdm
 
     total = sum(f.stat().st_size for f in files)
-    total = min(total, cfg.max_bytes) if cfg.max_bytes else total
+    total = min(total, max_chars) if max_chars else total
     return tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="memtrain: tokenizing", dynamic_ncols=True,
                 mininterval=1.0, disable=total < 32_000_000 and not sys.stderr.isatty())
 
