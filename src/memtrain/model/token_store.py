@@ -8,6 +8,7 @@ A store is a directory `<cache_dir>/store-<key>/`:
   doc_hash.bin  uint64 [documents]: a fixed-salt blake2b of each document's text (the eval split's coin)
   manifest.json written last: counts, dtype, the key's inputs; a directory without it is never read
 A build in progress also keeps progress.json (memtrain.model.store_progress), so a killed build continues.
+The build itself takes what it stores as `Contents`: text documents here, chat rows in memtrain.model.chat_store.
 """
 from __future__ import annotations
 
