@@ -278,7 +278,7 @@ def _planned_and_measured(sets, layers=2, batch=4, seq=256):
     model = mm.fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
     apply_plan(model, plan)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    # chat rows: two samples per row, positions restarting at the second (memtrain.model.chat_data.pack)
+    # chat rows: two samples per row, positions restarting at the second (memtrain.model.chat_data.PackedChat)
     packed = {"position_ids": torch.arange(seq // 2).repeat(2).expand(batch, -1)} if target.packed else {}
     return pred, allocator_peak(model, ids, **packed)
 
