@@ -40,7 +40,7 @@ def load_ds_config(path: str | Path) -> dict:
 
 
 def bf16_supported() -> bool:
-    import torch  # here, not at the top: the tools' --help imports this module and must not wait for torch
+    import torch  # noqa: PLC0415 here, not at the top: the tools' --help imports this module and must not wait for torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
@@ -84,7 +84,7 @@ def deepspeed_top_level_keys() -> frozenset:
     """The top-level keys DeepSpeed's DeepSpeedConfig reads, recorded by letting it parse an
     (almost) empty config through a dict that notes every key asked for (~20 ms). DeepSpeed has
     no list of its own; recording it keeps this in step with the installed version."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig  # noqa: PLC0415 deepspeed: heavy, kept off --help
 
     seen: set = set()
 
@@ -132,7 +132,7 @@ def tp_size(ds_config: dict) -> int:
 
 def ac_defaults() -> dict:
     """DeepSpeed's activation_checkpointing keys and their defaults (its own ACT_CHKPT_DEFAULT)."""
-    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT  # noqa: PLC0415 deepspeed: heavy, kept off --help
 
     return dict(ACT_CHKPT_DEFAULT)
 
@@ -326,7 +326,7 @@ def _adam_implementation(cfg: dict, raw: dict) -> None:
     if "torch_adam" not in params and offload_device(cfg, "optimizer") == "none":
         params["torch_adam"] = True
     written = get(raw, "optimizer.params.torch_adam")
-    import torch
+    import torch  # noqa: PLC0415 torch: heavy, kept off --help
 
     if params.get("torch_adam") is True and written in (AUTO, None) and "foreach" not in params \
             and torch.cuda.is_available():
