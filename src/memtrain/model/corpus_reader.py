@@ -8,6 +8,7 @@ import os
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
+import json
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import NodeError, UserError
@@ -109,7 +110,7 @@ def _stream(builder: str, paths: list[str], cfg: DataSection, state: Optional[di
 
 
 def _load(builder: str, paths: list[str], column: str):
-    import datasets
+    import datasets  # noqa: PLC0415 datasets: heavy, imported only when this runs
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
@@ -137,8 +138,6 @@ def _locate(builder: str, paths: list[str], column: str, error: Exception) -> Ex
 
 def _bad_line(path: str) -> str:
     """' (line N)' for the first line of a JSON-lines file that is not JSON, else ''."""
-    import json
-
     if not path.lower().endswith(".jsonl"):
         return ""
     with open(path, encoding="utf-8", errors="replace") as f:

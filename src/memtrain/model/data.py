@@ -17,21 +17,21 @@ import torch
 
 from memtrain.errors import NodeError, UserError
 from memtrain.config.recipe import DataSection
-from memtrain.model import order
+from memtrain.model import chat_data, order
 from memtrain.model.blend import BlendView
 from memtrain.model.corpus_reader import builder_for, resolve_files, source_sections
 from memtrain.model.sample_view import SampleView, split_view
 from memtrain.model.token_store import build_once, open_store
 from memtrain.model.tokenizer import build_tokenizer, save_tokenizer  # noqa: F401 (save_tokenizer: its old home)
+from memtrain.model.chat_rows import columns
 
 
 def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dict]:
     """Chat/instruction rows (JSON lines or parquet) with the columns the format reads."""
-    import datasets
+    import datasets  # noqa: PLC0415 datasets: heavy, imported only when this runs
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
-    from memtrain.model.chat_rows import columns
 
     keys, optional = columns(cfg)
     rows: list[dict] = []
@@ -148,8 +148,6 @@ def prepare_data(cfg: DataSection, seed: int, build: bool = True, split: Literal
     files = resolve_files(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.format != "text":
-        from memtrain.model import chat_data
-
         chat_data.check_template(tokenizer, cfg)
         cache_dir = Path(cfg.cache_dir)
         cache_file = cache_dir / f"chat-{_cache_key(files, cfg, tokenizer)}"  # a directory (PackedChat.save)

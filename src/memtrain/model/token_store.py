@@ -25,8 +25,11 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
+import fcntl
+import multiprocessing
 
 import numpy as np
+from tqdm import tqdm
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import UserError
@@ -143,8 +146,6 @@ _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # floc
 
 def _lock(lock, target: Path) -> bool:
     """Take the build's exclusive lock: True; False, with one line, where the file system has no locks."""
-    import fcntl
-
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return True
@@ -253,8 +254,6 @@ def _continued_or_new(out: Path, dtype: np.dtype) -> store_progress.Progress:
 
 def _progress_bar(files: list[Path], cfg: DataSection, done: int = 0):
     """Bytes read, MB/s and ETA on the building process; off for a small corpus (done in seconds)."""
-    from tqdm import tqdm
-
     total = sum(f.stat().st_size for f in files)
     total = min(total, cfg.max_bytes) if cfg.max_bytes else total
     return tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="memtrain: tokenizing", dynamic_ncols=True,
@@ -292,8 +291,6 @@ def _tokenized(chunks: Iterator[tuple[list[str], dict]], tokenizer, dtype, worke
 
 
 def _tokenized_in_pool(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
-    import multiprocessing
-
     context = multiprocessing.get_context("fork")  # the tokenizer is inherited, not pickled
     pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype))
     try:
