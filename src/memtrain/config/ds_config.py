@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.errors import UserError, not_utf8
 from memtrain.config.recipe import Recipe
+from memtrain.config.saved_run import CSV_DIR, TENSORBOARD_DIR
 
 AUTO = "auto"
 
@@ -306,7 +307,7 @@ def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path,
     cfg.setdefault("steps_per_print", 10**9)  # memtrain logs itself; keep DeepSpeed's stdout quiet
     if default_tensorboard:  # a run's metrics go to run_dir/tb (the summary points there) unless the
         cfg.setdefault("tensorboard", {"enabled": True})  # JSON turns it off; HF-style JSONs have no section
-    for monitor, sub in (("tensorboard", "tb"), ("csv_monitor", "csv")):
+    for monitor, sub in (("tensorboard", TENSORBOARD_DIR), ("csv_monitor", CSV_DIR)):
         if isinstance(cfg.get(monitor), dict):
             cfg[monitor]["output_path"] = str(run_dir)
             cfg[monitor]["job_name"] = sub

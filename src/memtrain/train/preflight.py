@@ -352,7 +352,7 @@ def resolve_run(args: RunArgs, world_size: int) -> RunSetup:
     warnings = check_json(args.ds_config, args.ds_config_path, recipe, world_size)
     resume = check_run_dir(args, world_size)
     if resume is not None:
-        warnings += resume.warnings(args.run_dir / "checkpoints")
+        warnings += resume.warnings(run_dirs.RunDir(args.run_dir).checkpoints)
     with _naming_recipe(args):
         files, tokenizer = _data_inputs(recipe)
         config, model, model_warnings = _meta_model(recipe, tokenizer)
@@ -363,7 +363,7 @@ def resolve_run(args: RunArgs, world_size: int) -> RunSetup:
         compiled = _compile_choice(recipe, args.ds_config, plan, zero3, model)
     _check_layout(args, config, model, world_size)
     if resume is not None and is_rank_zero():  # rank 0 decides the checkpoint every rank loads (checkpoint.load)
-        check_shapes(args.run_dir / "checkpoints" / resume.tag, model,
+        check_shapes(run_dirs.RunDir(args.run_dir).checkpoints / resume.tag, model,
                      packed_shapes(model) if recipe.model.quantization is not None else None)
     resolved = _resolved_json(args, config, plan, zero3)
     check_quantized_base(resolved, recipe, args.ds_config_path, compiled.on)  # QLoRA: what a 4-bit base cannot run with
@@ -388,7 +388,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv, preflight_parser())
     resolve_run(args, args.world_size)
     if args.resume:  # a checkpoint of another world size: converted here, once (memtrain.train.reshard)
-        reshard.prepare(args.run_dir / "checkpoints", args.world_size)
+        reshard.prepare(run_dirs.RunDir(args.run_dir).checkpoints, args.world_size)
     recipe = args.recipe
     if not recipe.data.random_tokens:
         prepare_data(recipe.data, recipe.train.seed)

@@ -20,16 +20,16 @@ import fcntl
 import secrets
 import socket
 
-from memtrain.config.saved_run import CONFIG_FILE
+from memtrain.config.saved_run import CONFIG_FILE, CSV_DIR, TENSORBOARD_DIR
 from memtrain.errors import NodeError, UserError
 
 SUMMARY_FILE = "summary.json"  # how the run ended: its status, steps, loss and median metrics
 CHECKPOINTS = "checkpoints"  # model checkpoints (memtrain.train.checkpoint)
-TENSORBOARD = "tb"  # DeepSpeed's TensorBoard monitor writes here (its job_name: memtrain.config.ds_config)
+TENSORBOARD = TENSORBOARD_DIR  # DeepSpeed's TensorBoard monitor writes here (its job_name: memtrain.config.ds_config)
 FINAL = "final"  # the trained model as transformers loads it (memtrain.train.final)
 LOCK = ".lock"  # held (flock) by rank 0 of the run using the directory; not a run entry: never moved aside
-# what a run writes ("csv": DeepSpeed's csv monitor; "deepspeed.log" and "logs": memtrain.train.ds_log)
-RUN_ENTRIES = (CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS, TENSORBOARD, "csv", FINAL, "deepspeed.log", "logs")
+# what a run writes (CSV_DIR: DeepSpeed's csv monitor; "deepspeed.log" and "logs": memtrain.train.ds_log)
+RUN_ENTRIES = (CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS, TENSORBOARD, CSV_DIR, FINAL, "deepspeed.log", "logs")
 ASIDE = ".overwritten"
 
 
