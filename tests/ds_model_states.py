@@ -94,7 +94,9 @@ def main() -> None:
 
     from memtrain.config.ds_config import load_ds_config, resolve_ds_config
     from memtrain.config.recipe import load_recipe
-    from memtrain.memory import estimate as mm
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.states import model_states
+    from memtrain.memory.target import Target, compute_dtype, make_target, model_and_config
     from memtrain.model.build import build_model
     from memtrain.model.freeze import freeze
     from memtrain.train.trainer import _skip_shm_comm_op
@@ -108,7 +110,7 @@ def main() -> None:
     recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
     frozen_recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1",
                                        "train.frozen=[model.embed_tokens.*,*.self_attn.*]"])
-    config = mm.model_and_config(recipe)
+    config = model_and_config(recipe)
     torch.manual_seed(rank)
     ids = torch.randint(0, config.vocab_size, (1, 32))
     root = Path(__file__).resolve().parents[1]
@@ -231,11 +233,11 @@ def main() -> None:
         measured = {name: sum(t.values()) for name, t in terms.items()}
         measured.update(other=other, gathered_in_forward=seen.get("gathered", 0),
                         reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"])
-        target = mm.Target("cpu", mm.compute_dtype(cfg, "cpu"), 1, 32, world)
+        target = Target("cpu", compute_dtype(cfg, "cpu"), 1, 32, world)
         if "frozen" in offload:  # what train.frozen leaves to train, as make plan counts it (on the meta model)
-            made = mm.make_target(frozen_recipe, cfg, world, "cpu")
+            made = make_target(frozen_recipe, cfg, world, "cpu")
             target = replace(target, trainable_params=made.trainable_params, all_params=made.all_params)
-        states = mm.model_states(mm.profile_activations(config, target, ("keep",)), cfg, target)
+        states = model_states(profile_activations(config, target, ("keep",)), cfg, target)
         results[case] = {"measured": measured, "predicted": {k: getattr(states, k) for k in (
             "params", "grads", "optimizer", "buckets", "persistent", "gathered", "update", "host",
             "reduce_buckets", "reduce_scratch")},
@@ -250,12 +252,12 @@ def predicted_collectives(config, cfg: dict, target, stage: int) -> dict:
     """Tensor bytes of one optimizer step (gradient accumulation 1) by memtrain.memory.comm_volume, from the
     memory model's parameter counts (memtrain.memory.score.model_shape, as the search scores them)."""
     from memtrain.config.zero3 import resident
-    from memtrain.memory import estimate as mm
+    from memtrain.memory.profile import profile_activations
     from memtrain.memory.comm_volume import Layout, zero_collectives
     from memtrain.memory.score import model_shape
     from memtrain.memory.states import keeps_gathered, persistent_elements, zero_config
 
-    profile = mm.profile_activations(config, target, ("keep",))
+    profile = profile_activations(config, target, ("keep",))
     zero = zero_config(cfg)
     layout = Layout(target.world_size, target.world_size)
     persistent = persistent_elements(profile, zero) if stage == 3 else 0

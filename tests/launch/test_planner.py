@@ -20,7 +20,10 @@ import pytest
 import torch
 from conftest import allocator_peak, FAST, ROOT, assert_ok, run_train
 
-from memtrain.memory import estimate as mm
+from memtrain.memory.predict import activation_peak
+from memtrain.memory.profile import fake_model, mode_plan, profile_activations
+from memtrain.memory.states import model_states
+from memtrain.memory.target import make_target, model_and_config
 from memtrain.recompute.hooks import apply_plan
 from memtrain.config.ds_config import load_ds_config
 from memtrain.units import GIB
@@ -108,11 +111,11 @@ def test_auto_trains_default_recipe_with_a_mixed_plan(tmp_path):
     under the plan the run chose (2%; measured here for mlp, op, op, attn: 0.3% under)."""
     recipe = load_recipe(None, [a for a in FAST if a != "--set"])
     ds = load_ds_config(ZERO3)
-    target = mm.make_target(recipe, ds, 1, "cpu")
-    profile = mm.profile_activations(mm.model_and_config(recipe), target)
-    states = mm.model_states(profile, ds, target)
+    target = make_target(recipe, ds, 1, "cpu")
+    profile = profile_activations(model_and_config(recipe), target)
+    states = model_states(profile, ds, target)
     L = profile.num_layers
-    limit = (mm.activation_peak(profile, ("full",) * L)[0] + mm.activation_peak(profile, ("keep",) * L)[0]) // 2
+    limit = (activation_peak(profile, ("full",) * L)[0] + activation_peak(profile, ("keep",) * L)[0]) // 2
     budget = (states.total + limit) / GIB
     run_dir = tmp_path / "auto"
     proc = run_train(["--deepspeed", ZERO3, *FAST, "--set", "activation_checkpointing.policy=auto",
@@ -133,12 +136,12 @@ def test_auto_trains_default_recipe_with_a_mixed_plan(tmp_path):
     if summary.get("peak_allocated_gib"):  # a GPU run: the allocator's own peak over the run
         assert predicted_peak == pytest.approx(summary["peak_allocated_gib"] * GIB, rel=TOL)
         return
-    config = mm.model_and_config(recipe)
+    config = model_and_config(recipe)
     torch.manual_seed(0)
-    model = mm.fake_model(config, L, target)  # real tensors: no fake mode here
+    model = fake_model(config, L, target)  # real tensors: no fake mode here
     ids = torch.randint(0, config.vocab_size, (target.micro_batch_size, target.seq_len),
                         generator=torch.Generator().manual_seed(0))
-    apply_plan(model, mm.mode_plan(model, tuple(layers)))
+    apply_plan(model, mode_plan(model, tuple(layers)))
     measured = allocator_peak(model, ids)
     predicted_states = memory_plan["prediction"]["model_states"]["total"]
     assert predicted_peak - predicted_states == pytest.approx(measured, rel=0.02), (layers, memory_plan)
@@ -152,14 +155,18 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 import deepspeed
 from pathlib import Path
-from memtrain.memory import estimate as mm
+from memtrain.memory.predict import LayerChoice, activation_peak, predict
+from memtrain.memory.profile import fake_model, mode_plan, profile_activations
+from memtrain.memory.rates import Rates, measure_rates
+from memtrain.memory.states import ModelStates, model_states
+from memtrain.memory.target import Target, make_target, model_and_config
 from memtrain.config.ds_config import load_ds_config, resolve_ds_config
 from memtrain.model.build import build_model
 from memtrain.config.recipe import load_recipe
 
 deepspeed.init_distributed(verbose=False)
 recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
-config = mm.model_and_config(recipe)
+config = model_and_config(recipe)
 ids = torch.randint(0, 257, (1, 32))
 out = []
 for case in sys.argv[2:]:
@@ -192,8 +199,8 @@ for case in sys.argv[2:]:
     seen["backward"] = True
     engine.backward(loss)
     seen["backward"] = False
-    target = mm.make_target(recipe, cfg, 1, "cpu")
-    states = mm.model_states(mm.profile_activations(config, target, ("keep",)), cfg, target)
+    target = make_target(recipe, cfg, 1, "cpu")
+    states = model_states(profile_activations(config, target, ("keep",)), cfg, target)
     out.append({"case": case, "buckets": seen["buckets"], "scratch": seen["scratch"],
                 "predicted_buckets": states.reduce_buckets, "predicted_scratch": states.reduce_scratch})
     del engine, model, opt

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError, field_validator
 
 from memtrain.errors import UserError
+from memtrain.units import parse_size
 
 
 class _Strict(BaseModel):
@@ -22,8 +23,6 @@ class _Strict(BaseModel):
 
 
 def _size(value, key: str):
-    from memtrain.units import parse_size
-
     return parse_size(value, key) if isinstance(value, str) else int(value * (1 << 30))
 
 

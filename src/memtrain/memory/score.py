@@ -22,6 +22,7 @@ from memtrain.memory.rates import Rates
 from memtrain.memory.states import ModelStates, keeps_gathered, persistent_elements, zero_config
 from memtrain.memory.step_time import StepTime, optimizer_seconds, step_time
 from memtrain.memory.target import Target, make_target, recompute_spec
+from memtrain.memory.tensor_parallel import supports
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,6 @@ def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, act
 def model_shape(config, profile: ActivationProfile, target: Target, persistent: int) -> ModelShape:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
-    from memtrain.memory.tensor_parallel import supports
 
     return ModelShape(text.num_hidden_layers, text.hidden_size, text.vocab_size, heads,
                       getattr(text, "num_key_value_heads", None) or heads,

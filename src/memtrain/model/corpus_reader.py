@@ -8,6 +8,7 @@ import os
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
+import json
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import NodeError, UserError
@@ -130,7 +131,7 @@ def _stream(builder: str, paths: list[str], required: dict[str, str], optional: 
 
 def _load(builder: str, paths: list[str], required: dict[str, str], optional: list[str] = ()):
     """The streamed dataset of the columns read, and their names."""
-    import datasets
+    import datasets  # noqa: PLC0415 datasets: heavy, imported only when this runs
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
@@ -162,8 +163,6 @@ def _locate(builder: str, paths: list[str], required: dict[str, str], error: Exc
 
 def _bad_line(path: str) -> str:
     """' (line N)' for the first line of a JSON-lines file that is not JSON, else ''."""
-    import json
-
     if not path.lower().endswith(".jsonl"):
         return ""
     with open(path, encoding="utf-8", errors="replace") as f:

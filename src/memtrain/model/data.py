@@ -15,12 +15,13 @@ import torch
 
 from memtrain.errors import UserError
 from memtrain.config.recipe import DataSection
-from memtrain.model import order
+from memtrain.model import chat_data, order
 from memtrain.model.blend import BlendView
 from memtrain.model.corpus_reader import builder_for, resolve_files, source_sections  # noqa: F401 (builder_for: preflight)
 from memtrain.model.sample_view import SampleView, split_view
 from memtrain.model.token_store import open_store
 from memtrain.model.tokenizer import build_tokenizer, save_tokenizer  # noqa: F401 (save_tokenizer: its old home)
+from memtrain.model.chat_store import open_chat_samples
 
 
 # --------------------------------------------------------------------------- packed data
@@ -106,10 +107,6 @@ def prepare_data(cfg: DataSection, seed: int, build: bool = True, split: Literal
     files = resolve_files(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.format != "text":
-        from memtrain.model import chat_data
-
-        from memtrain.model.chat_store import open_chat_samples
-
         chat_data.check_template(tokenizer, cfg)  # the template the store renders with, and its key reads
         samples = open_chat_samples(files, cfg, tokenizer, build)
         return chat_data.PackedChat(samples, cfg, tokenizer.vocab_size, seed)

@@ -13,9 +13,11 @@ The build itself takes what it stores as `Contents`: text documents here, chat r
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import hashlib
 import itertools
+import multiprocessing
 import json
 import os
 import shutil
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import UserError
@@ -189,8 +192,6 @@ _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # floc
 
 def _lock(lock, target: Path) -> bool:
     """Take the build's exclusive lock: True; False, with one line, where the file system has no locks."""
-    import fcntl
-
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return True
@@ -303,8 +304,6 @@ def _continued_or_new(out: Path, dtype: np.dtype, files: tuple[str, ...]) -> sto
 
 def _progress_bar(files: list[Path], max_chars: Optional[int], done: int = 0):
     """Bytes read, MB/s and ETA on the building process; off for a small corpus (done in seconds)."""
-    from tqdm import tqdm
-
     total = sum(f.stat().st_size for f in files)
     total = min(total, max_chars) if max_chars else total
     return tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="memtrain: tokenizing", dynamic_ncols=True,
@@ -341,8 +340,6 @@ def _tokenized(chunks: Iterator[tuple[list, int, dict]], tokenize: Callable, wor
 
 
 def _tokenized_in_pool(chunks: Iterator[tuple[list, int, dict]], tokenize: Callable, workers: int):
-    import multiprocessing
-
     context = multiprocessing.get_context("fork")  # the tokenizer is inherited, not pickled
     pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenize,))
     try:

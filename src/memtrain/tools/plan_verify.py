@@ -23,6 +23,10 @@ from memtrain.errors import UserError
 from memtrain.memory.score import Scored
 from memtrain.memory.search import SearchResult
 from memtrain.units import GIB
+from memtrain.memory.hardware import calibration_path, load_hardware
+from memtrain.tools.plan_search import write_plan
+from memtrain.tools.sweep import run_sweep
+from memtrain.tools.sweep_points import load_sweep, read_summary
 
 RANDOM_EXTRA = 3  # random feasible configurations beside the top K: the ranking is checked below the top too
 
@@ -71,8 +75,6 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
 def write_points(result: SearchResult, recipe, picks: list[int], out: Path, steps: int) -> list[tuple[int, Path]]:
     """Per pick: its JSON and recipe (as --search writes the winner's) and a one-point sweep file running `steps`
     steps; returns (index, sweep file)."""
-    from memtrain.tools.plan_search import write_plan
-
     sweeps = []
     for n, i in enumerate(picks):
         where = out / "verify" / f"{n + 1:02d}-rank{i + 1}"
@@ -87,8 +89,6 @@ def write_points(result: SearchResult, recipe, picks: list[int], out: Path, step
 
 def measured(result: SearchResult, i: int, run_dir: Path) -> Verified:
     """What a verify run's summary.json says of configuration `i`."""
-    from memtrain.tools.sweep_points import read_summary
-
     summary = read_summary(run_dir) or {}
     metrics = summary.get("metrics") or {}
     peak_gib = metrics.get("memory/peak_allocated_gib")
@@ -101,9 +101,6 @@ def measured(result: SearchResult, i: int, run_dir: Path) -> Verified:
 def run_verify(result: SearchResult, recipe, out: Path, k: int, steps: int, launcher: Optional[str],
                gpus_per_node: int, extra: int = RANDOM_EXTRA) -> list[Verified]:
     """Write, run (sweep runner) and read back the picked configurations."""
-    from memtrain.tools.sweep import run_sweep
-    from memtrain.tools.sweep_points import load_sweep
-
     if result.world > gpus_per_node and (launcher or "deepspeed") == "deepspeed":
         raise UserError(f"--verify: {result.world} ranks span nodes; the local launcher runs one node "
                         "(--launcher slurm)")
@@ -148,8 +145,6 @@ def calibrate(rows: list[Verified], hw_path: Path, cal_path: Path) -> Optional[s
     """Scale the calibration file's `efficiency.compute` by the median measured/predicted tokens/s of GPU runs
     (the whole step's ratio put on its compute term: close where compute binds); None (nothing written) without
     a measured GPU run: a CPU run does not calibrate a GPU's sheet."""
-    from memtrain.memory.hardware import load_hardware
-
     done = [r for r in rows if r.tokens_per_s and r.device == "cuda"]
     if not done:
         return None
@@ -167,8 +162,6 @@ def calibrate(rows: list[Verified], hw_path: Path, cal_path: Path) -> Optional[s
 
 def verify_cli(args, result: SearchResult, recipe, hw, out: Path) -> None:
     """--verify K: run the picked configurations, print predicted against measured, feed the calibration file."""
-    from memtrain.memory.hardware import calibration_path
-
     rows = run_verify(result, recipe, out, args.verify, args.verify_steps, args.launcher, hw.gpus_per_node)
     print(format_verify(rows))
     cal = Path(args.calibration) if args.calibration else calibration_path(Path(args.hardware))

@@ -2,6 +2,7 @@
 (for example once on a login node, on shared storage) and print one line: documents, tokens, bytes, seconds, where."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -20,9 +21,9 @@ def summary(store, built_here: bool, seconds: float, rows: dict[str, int], seq_l
 
 def prepare_corpus(cfg, tokenizer, label: str = "") -> str:
     """Build (or find) one corpus's store; its summary line."""
-    from memtrain.model.corpus_reader import resolve_files
-    from memtrain.model.sample_view import split_view
-    from memtrain.model.token_store import open_store, store_key
+    from memtrain.model.corpus_reader import resolve_files  # noqa: PLC0415 pulls pydantic: heavy, kept off --help
+    from memtrain.model.sample_view import split_view  # noqa: PLC0415 pulls numpy, pydantic: heavy, kept off --help
+    from memtrain.model.token_store import open_store, store_key  # noqa: PLC0415 pulls numpy, pydantic: heavy, kept off --help
 
     files = resolve_files(cfg)
     existed = (Path(cfg.cache_dir) / f"store-{store_key(files, cfg, tokenizer)}").exists()
@@ -36,11 +37,9 @@ def prepare_corpus(cfg, tokenizer, label: str = "") -> str:
 
 def prepare_chat(cfg, tokenizer, seed: int) -> str:
     """Build (or find) the chat store of data.format chat / instruction; its summary line with the run's packing."""
-    import json
-
-    from memtrain.model.chat_data import PackedChat, check_template, report_line
-    from memtrain.model.chat_store import chat_store_path, open_chat_samples
-    from memtrain.model.corpus_reader import resolve_files
+    from memtrain.model.chat_data import PackedChat, check_template, report_line  # noqa: PLC0415 pulls torch: heavy, kept off --help
+    from memtrain.model.chat_store import chat_store_path, open_chat_samples  # noqa: PLC0415 pulls numpy, pydantic: heavy, kept off --help
+    from memtrain.model.corpus_reader import resolve_files  # noqa: PLC0415 pulls pydantic: heavy, kept off --help
 
     files = resolve_files(cfg)
     check_template(tokenizer, cfg)
@@ -72,9 +71,9 @@ def parser() -> ArgumentParser:
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
-    from memtrain.config.recipe import load_recipe
-    from memtrain.model.corpus_reader import source_sections
-    from memtrain.model.tokenizer import build_tokenizer
+    from memtrain.config.recipe import load_recipe  # noqa: PLC0415 pulls pydantic: heavy, kept off --help
+    from memtrain.model.corpus_reader import source_sections  # noqa: PLC0415 pulls pydantic: heavy, kept off --help
+    from memtrain.model.tokenizer import build_tokenizer  # noqa: PLC0415 pulls numpy: heavy, kept off --help
 
     args = parser().parse_args(argv)
     if args.data_parallel < 1:
@@ -92,7 +91,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     for i, source in enumerate(source_sections(cfg)):
         print(prepare_corpus(source, tokenizer, f"source {i}: "))
-    from memtrain.model.data import blend_plan_line, prepare_data
+    from memtrain.model.data import blend_plan_line, prepare_data  # noqa: PLC0415 pulls numpy, pydantic, torch: heavy, kept off --help
 
     t = recipe.train
     run_rows = t.max_steps * t.micro_batch_size * t.grad_accum_steps * args.data_parallel
