@@ -134,6 +134,45 @@ def test_step_time_terms_by_hand(tmp_path):
     assert t.terms["zero_comm"] == 0.0  # a ZeRO group of 8 / tp 8 = 1 rank
     assert optimizer_seconds(hw, 10**9, False, 8) == pytest.approx(30e9 / (3350e9 * 0.9))
     assert optimizer_seconds(hw, 10**9, True, 8) == pytest.approx(8 * 30e9 / (614e9 * 0.5))
+    assert t.terms["overhead"] == 0.0  # no overhead figures on the sheet
+
+    # the overhead term: per layer forward-and-backward (a full recompute re-runs half), per collective call in a
+    # group of more than one rank, per step; counted by hand
+    hw = _hardware(tmp_path, **{"overhead.layer_s": 1e-3, "overhead.collective_s": 1e-4, "overhead.step_s": 0.05})
+    dp2 = Layout(2, 8)
+    micro = Collective("reduce_scatter", "zero", 1e6, 5, MICRO, "rs")
+    t = step_time(hw, dp2, [micro, step, ar], 1e9, 0.0, 3, 0.0, modes=("keep", "full", "keep", "attn"))
+    layers = 3 * (4 + 0.5 + 0.25)  # 3 micro-steps; full re-runs half a layer's calls, attn a quarter
+    calls = 3 * 5 + 1  # the TP group is one rank: its calls cost nothing
+    assert t.counts == {"layer_calls": layers, "collective_calls": calls, "steps": 1.0}
+    assert t.terms["overhead"] == pytest.approx(1e-3 * layers + 1e-4 * calls + 0.05)
+
+
+def test_overhead_fit_is_the_best_non_negative_fit():
+    """fit_overheads against known rates (exact data), and against a brute-force grid of non-negative rates where
+    plain least squares would go negative: never worse than any grid point, never negative."""
+    import itertools
+    import random
+
+    from memtrain.memory.overhead_fit import fit_overheads
+
+    rng = random.Random(0)
+    counts = [{"layer_calls": rng.choice((4, 8, 16, 32)), "collective_calls": rng.choice((0, 10, 40, 80)),
+               "steps": 1.0} for _ in range(8)]
+    truth = {"layer_s": 2e-3, "collective_s": 5e-4, "step_s": 0.1}
+    exact = [2e-3 * c["layer_calls"] + 5e-4 * c["collective_calls"] + 0.1 for c in counts]
+    assert fit_overheads(counts, exact) == pytest.approx(truth, rel=1e-9)
+    skewed = [y - 2e-3 * c["collective_calls"] + rng.uniform(-0.01, 0.01) for y, c in zip(exact, counts)]
+    fit = fit_overheads(counts, skewed)
+    assert all(v >= 0 for v in fit.values()) and fit["collective_s"] == 0.0
+
+    def err(rates):
+        return sum((rates[0] * c["layer_calls"] + rates[1] * c["collective_calls"] + rates[2] - y) ** 2
+                   for c, y in zip(counts, skewed))
+
+    best = err((fit["layer_s"], fit["collective_s"], fit["step_s"]))
+    grid = [i * 2e-4 for i in range(30)], [i * 1e-4 for i in range(10)], [i * 0.01 for i in range(30)]
+    assert all(best <= err(g) + 1e-15 for g in itertools.product(*grid))
 
 
 def test_search_drops_what_cannot_run_with_its_reason(tmp_path):
