@@ -402,6 +402,8 @@ def test_verify_picks_writes_runnable_sweeps_and_kendall_tau(tmp_path, monkeypat
     for i, path in write_points(result, _tiny(), picks, tmp_path / "plan", steps=4):
         sweep = load_sweep(path)
         (point,) = sweep.points
+        # another configuration at the same rank (a changed ranking) gets another run directory
+        assert result.scored[i].config.label().replace(" ", "-").replace(":", "-") in str(point.run_dir)
         args = train_args(sweep, point)
         assert sweep.spec.launcher.gpus_per_run == result.world and "train.max_steps=4" in args
         written = load_recipe(sweep.spec.recipe)

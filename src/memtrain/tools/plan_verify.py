@@ -76,14 +76,22 @@ def write_points(result: SearchResult, recipe, picks: list[int], out: Path, step
 
     sweeps = []
     for n, i in enumerate(picks):
-        where = out / "verify" / f"{n + 1:02d}-rank{i + 1}"
+        # the configuration in the name: the sweep runner keeps a finished run of the same name and command, so a
+        # ranking that changed (another sheet or calibration) must not read another configuration's run
+        name = f"{n + 1:02d}-rank{i + 1}-{config_slug(result.scored[i])}"
+        where = out / "verify" / name
         ds_path, recipe_path = write_plan(result, recipe, result.scored[i], where)
-        spec = {"name": f"{out.name}-verify-{n + 1:02d}-rank{i + 1}", "recipe": str(recipe_path),
+        spec = {"name": f"{out.name}-verify-{name}", "recipe": str(recipe_path),
                 "deepspeed": str(ds_path), "grid": {"train.max_steps": [steps]}, "launcher": {"gpus_per_run": result.world}}
         path = where / "sweep.yaml"
         path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
         sweeps.append((i, path))
     return sweeps
+
+
+def config_slug(s: Scored) -> str:
+    """A configuration's label as a file name: z3-off-opt+param-tp1-sp2-mb1-ga16."""
+    return s.config.label().replace(" ", "-").replace(":", "-")
 
 
 def measured(result: SearchResult, i: int, run_dir: Path) -> Verified:
