@@ -426,3 +426,39 @@ def test_verify_picks_writes_runnable_sweeps_and_kendall_tau(tmp_path, monkeypat
         ys = [rng.randint(0, 5) for _ in range(9)]
         assert kendall_tau(xs, ys) == pytest.approx(tau_b(xs, ys), abs=1e-12)
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+
+
+def test_verify_fits_a_cpu_sheets_overhead_from_its_runs(tmp_path):
+    """--verify's calibration on a CPU sheet: runs whose steps took the model's other terms plus known overheads
+    (layer, collective call, step) give back those overheads in the calibration file, which then loads over the
+    sheet; GPU runs do not calibrate a CPU sheet."""
+    import shutil
+    from dataclasses import replace
+
+    import yaml
+
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.hardware import load_hardware
+    from memtrain.memory.search import search
+    from memtrain.tools.plan_verify import Verified, calibrate
+
+    sheet = tmp_path / "cpu-2.yaml"
+    shutil.copy(ROOT / "reports" / "readme" / "cpu-proxy" / "cpu-2.yaml", sheet)
+    hw = load_hardware(sheet)
+    assert hw.device == "cpu" and hw.overhead_layer_s == 0.0
+    result = search(_tiny(), load_ds_config(DS), hw, 1, 64 * 16, micro_batches=(1, 16), exact_top=0)
+    truth = {"layer_s": 2e-3, "collective_s": 4e-4, "step_s": 0.05}
+    rows = []
+    for i, s in enumerate(result.scored):
+        c = s.time.counts
+        seconds = s.time.seconds + truth["layer_s"] * c["layer_calls"] + truth["collective_s"] * c[
+            "collective_calls"] + truth["step_s"]
+        rows.append(Verified(s, i + 1, tmp_path, "completed", result.global_tokens / seconds, None, "cpu"))
+    assert len({(r.scored.time.counts["layer_calls"], r.scored.time.counts["collective_calls"]) for r in rows}) >= 3
+    cal = tmp_path / "calibration" / "cpu-2.yaml"
+    assert calibrate([replace(r, device="cuda") for r in rows], sheet, cal) is None and not cal.exists()
+    assert calibrate(rows, sheet, cal)
+    assert yaml.safe_load(cal.read_text())["overhead"] == pytest.approx(truth, rel=1e-3)
+    calibrated = load_hardware(sheet)  # the default calibration path
+    assert (calibrated.overhead_layer_s, calibrated.overhead_collective_s, calibrated.overhead_step_s) == \
+        pytest.approx((2e-3, 4e-4, 0.05), rel=1e-3)
