@@ -31,7 +31,7 @@ RECIPE_ARG := $(if $(RECIPE),--recipe "$(RECIPE)",)
 # no DS: the tools' default JSON (ds_configs/zero3_ckpt.json), or with --resume the run's own
 DS_ARG := $(if $(DS),--deepspeed "$(DS)",)
 
-.PHONY: setup train test test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host bench-plan bench-data gpu-check gpu-wheels plan explain
+.PHONY: setup train test test-fast test-multinode clean sweep report ac-profile slurm-submit test-slurm bench bench-host bench-plan bench-data gpu-check gpu-wheels plan explain
 
 setup: $(VENV)/.installed
 
@@ -86,7 +86,7 @@ slurm-submit: setup
 
 ## test-slurm: the Slurm tests alone (slurm/local/up.sh installs and starts a local Slurm); also in `make test-multinode`
 test-slurm: setup
-	$(BIN)/python -m pytest -q tests/test_slurm.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests/launch/test_slurm.py $(PYTEST_ARGS)
 
 ## bench: recompute/offload set-ups side by side on one GPU, one process each (RECIPE: shape, default llama-1b;
 ## ARGS: e.g. --setups torch:noac,memtrain:full+offload --no-search); without a GPU: says so, tiny CPU smoke run, exit 0
@@ -130,15 +130,21 @@ gpu-wheels: setup
 	  $$(for p in $(GPU_WHEELS); do grep -i "^$$p==" requirements.lock; done)
 	@ls .whl && du -sh .whl
 
-## test: the whole suite (CPU), its files spread over TEST_WORKERS pytest-xdist workers (0: in one process); xdist
-## starts the files with the most tests first, test_zero3_hooks.py's one long launch among them
+## test: the whole suite (CPU): tests/unit (in process) and tests/launch (the real launcher, subprocess runs), its files
+## spread over TEST_WORKERS pytest-xdist workers (0: in one process); xdist starts the files with the most tests first,
+## test_zero3_hooks.py's one long launch among them
 test: setup
 	$(BIN)/ruff check -q src tests
 	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-## test-multinode: two torchrun agents as two nodes on this machine (tests/test_multinode.py); .ci/run runs it after make test
+## test-fast: the unit tier alone (tests/unit: in process, no launcher, no subprocess run)
+test-fast: setup
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
+
+## test-multinode: two torchrun agents as two nodes on this machine (tests/launch/test_multinode.py); .ci/run runs it
+## after make test
 test-multinode: setup
-	$(BIN)/python -m pytest -q -m multinode tests/test_multinode.py tests/test_slurm.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m multinode tests/launch/test_multinode.py tests/launch/test_slurm.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .cache

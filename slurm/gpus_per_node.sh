@@ -1,5 +1,5 @@
 # Ranks per torchrun agent from whichever GPU request Slurm got; sourced by slurm/train.sbatch
-# (and by tests/test_sbatch_env.py, which runs it with made-up environments; no Slurm needed).
+# (and by tests/launch/test_sbatch_env.py, which runs it with made-up environments; no Slurm needed).
 #
 #   gpus_per_node     GPUs allocated per node: 0 when none were requested; on stderr one line and
 #                     status 2 when GPUs were requested but their number cannot be derived

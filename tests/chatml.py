@@ -13,6 +13,10 @@ CORPUS = ["the user asks a question and the assistant answers it in a few words"
           "question answer system user assistant tool call weather city name arguments",
           "0 1 2 3 4 5 6 7 8 9 { } [ ] : , \" hello why so brief please"]
 
+# a template of role tags (<|user|> ... <|end|>), for the byte tokenizer's chat tests
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+            "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
 
 def chatml_tokenizer(out: Path, template: str = CHATML) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -62,6 +62,22 @@ def eval_loss_by_hand(final: Path, seq_len: int, rows: int) -> tuple[float, int]
     return losses.mean().item(), losses.numel()
 
 
+def _workers(launcher: subprocess.Popen) -> dict:
+    """The launcher's training processes by local rank."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        rank = next((c.split("=")[1] for c in cmd if c.startswith("--local_rank=")), None)
+        if str(TRAIN) in cmd and rank is not None:
+            out[int(rank)] = p
+    return out
+
+
 def _free_port() -> int:
     import socket
 

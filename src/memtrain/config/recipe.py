@@ -157,8 +157,9 @@ class DataSection(_Strict):
     max_bytes: Optional[PositiveInt] = 8_000_000
     """Read at most this many characters of text (keeps the default corpus small); null: every file whole."""
     cache_dir: str = ".cache/memtrain"
-    """Token stores (`store-<key>/`, keyed by files, tokenizer, text_key and max_bytes, not seq_len) and packed
-    chat rows are cached here (memtrain.model.token_store)."""
+    """Token stores (`store-<key>/`, keyed by files, tokenizer, text_key and max_bytes, not seq_len) and chat stores
+    (`chat-<key>/`, keyed by files, tokenizer, chat template and columns, not seq_len) are cached here
+    (memtrain.model.token_store, memtrain.model.chat_store)."""
     workers: Optional[PositiveInt] = None
     """Processes that tokenize a store's build. Default: the cores this process may run on."""
     eval_fraction: float = Field(0.0, ge=0, lt=1)

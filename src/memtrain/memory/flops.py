@@ -150,7 +150,7 @@ def recompute_flops_per_token(config, seq_len: int, layers: tuple[str, ...]) -> 
     matmuls and attention outputs.
 
     Modelled on torch.utils.checkpoint(use_reentrant=False), which memtrain's torch backend uses,
-    as measured with FlopCounterMode (tests/test_flops.py): its recompute stops early, as soon
+    as measured with FlopCounterMode (tests/unit/memory/test_flops.py): its recompute stops early, as soon
     as every tensor the backward needs has been recomputed, so the unit's last ops run only if
     something in the unit saved their output. Hence:
 

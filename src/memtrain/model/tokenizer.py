@@ -60,7 +60,7 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         backend = getattr(self._tok, "backend_tokenizer", None)
         if backend is not None and hasattr(backend, "encode_batch_fast"):
-            # the fast tokenizer's Rust encoder itself: the same ids as transformers' call (tests/test_token_store.py),
+            # the fast tokenizer's Rust encoder itself: the same ids as transformers' call (tests/unit/model/test_token_store.py),
             # without the offsets and masks that call computes and then drops here. 5.45 against 3.61 MB/s on one
             # core (byte-level BPE of 8,000 tokens, 5 MB of synthetic JSON lines, 2026-11-26, this 2-core machine)
             return [np.asarray(e.ids, dtype=np.int64) for e in backend.encode_batch_fast(texts, add_special_tokens=False)]

@@ -90,7 +90,7 @@ def targets(results: list[dict]) -> list[str]:
     ratio("memtrain:full", "torch:hf-ac", 0.9)
     ratio("memtrain:none", "torch:noac", 0.8)
     lines.append("- all-gather count and bytes, full recompute vs none: one rank gathers nothing; checked on 2 gloo "
-                 "ranks by tests/test_zero3_hooks.py")
+                 "ranks by tests/launch/test_zero3_hooks.py")
     return lines
 
 

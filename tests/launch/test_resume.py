@@ -1,0 +1,290 @@
+"""A run stopped by a signal and resumed equals an uninterrupted run, bit for bit (2 CPU ranks, launcher).
+
+Attention dropout is on, so every step draws from the torch RNG: a resume that did not restore the
+RNG streams would draw other masks and lose bit-equality from the first resumed step. The first test's layers are
+compiled (train.compile), whose dropout draws inside the compiled region."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import (EVAL_PATHS, FAST, TRAIN, ROOT, _env, _free_port, assert_ok, cut_back, eval_loss_by_hand,
+                      run_train)
+from memtrain.train.checkpoint import tag_for
+from memtrain.tools.tb import read_scalars
+from conftest import _workers
+
+STEPS = 10
+EVAL_BATCHES = 2
+# compiled layers (train.compile): a resumed compiled run equals a straight compiled run; eager runs resume exactly in
+# tests/test_slurm.py (requeue), tests/test_multinode.py and tests/test_lora.py
+ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--set", "model.config.attention_dropout=0.2",
+        "--set", "train.compile=true", "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
+        "--set", EVAL_PATHS, "--set", "train.eval_every=4",
+        "--set", f"train.eval_batches={EVAL_BATCHES}"]
+
+
+def _preempted_run(run_dir: Path) -> subprocess.CompletedProcess:
+    """Launch 2 ranks; once the step-3 checkpoint is complete, SIGTERM rank 1 only (as a scheduler would
+    signal some task): every rank must stop together at the next step boundary and save."""
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(_free_port()),
+           str(TRAIN), *ARGS, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 600
+        while not (run_dir / "checkpoints" / tag_for(3)).is_dir():
+            assert proc.poll() is None and time.time() < deadline, "run ended before its step-3 checkpoint"
+            time.sleep(0.05)
+        _workers(proc)[1].send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    straight = run_train([*ARGS, "--run-dir", str(whole)], nproc=2)
+    assert_ok(straight)
+    assert "compile: each decoder layer's forward under torch.compile" in straight.stdout
+    assert "0 recompiles after the warm-up" in straight.stdout
+    assert json.loads((whole / "summary.json").read_text())["compile"]["recompiles_after_warmup"] == []
+    _eval_loss_is_the_token_mean_of_final(whole)
+
+    _a_missing_rank_is_damage(whole, tmp_path / "rank1-lost")
+    stopped = _preempted_run(split)
+    assert_ok(stopped)
+    summary = json.loads((split / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGTERM", summary
+    stop_step = summary["steps"]
+    assert 3 <= stop_step < STEPS, summary
+    assert (split / "checkpoints" / "latest").read_text() == tag_for(stop_step)
+
+    # --resume alone continues the run as it was started (every flag above is in its config.json); a flag given
+    # changes it and is listed in one line
+    resumed = run_train(["--run-dir", str(split), "--resume", "--set", "train.save_interval=4"], nproc=2)
+    assert_ok(resumed)
+    assert [line for line in resumed.stdout.splitlines() if line.startswith("resume overrides:")] == [
+        "resume overrides: recipe: train.save_interval 3 -> 4"]
+    config = json.loads((split / "config.json").read_text())
+    assert config["recipe"]["train"]["save_interval"] == 4 and config["resume_changes"] == [
+        "recipe: train.save_interval 3 -> 4"]
+    assert [c["recipe"]["train"]["save_interval"] for c in config["earlier_segments"]] == [3]  # the first segment's
+    summary = json.loads((split / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert len(list((split / "tb").glob("events.out.tfevents.*"))) == 2  # the resumed run appended its own
+
+    a, b = read_scalars(whole / "tb"), read_scalars(split / "tb")
+    assert [s for s, _ in b["train/loss"]] == list(range(1, STEPS + 1))
+    assert b["train/loss"] == a["train/loss"]  # exact: same data position, RNG, optimizer state
+    assert b["train/lr"] == a["train/lr"]  # schedule and step counter restored
+    # held-out loss: every 4 steps and at the last, equal to the straight run's wherever both evaluated (the resumed
+    # segment's evals after step 4; an eval does not move the training that follows: the losses above are exact)
+    assert [s for s, _ in a["eval/loss"]] == [4, 8, 10]
+    assert [s for s, _ in b["eval/loss"]] in ([4, 8, 10], [8, 10]) and set(b["eval/loss"]) <= set(a["eval/loss"])
+    assert b["eval/perplexity"][-1] == a["eval/perplexity"][-1]
+
+
+def _eval_loss_is_the_token_mean_of_final(run_dir: Path) -> None:
+    """summary.json's eval loss, computed by hand from final/: the first EVAL_BATCHES x 2 ranks x micro-batch 4 rows."""
+    by_hand, positions = eval_loss_by_hand(run_dir / "final", 64, EVAL_BATCHES * 2 * 4)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_tokens"] == positions
+    assert abs(summary["eval_loss"] - by_hand) < 1e-5, (summary["eval_loss"], by_hand)
+    assert abs(read_scalars(run_dir / "tb")["eval/loss"][-1][1] - summary["eval_loss"]) < 1e-6  # TB: float32
+
+
+def _a_missing_rank_is_damage(whole: Path, copy: Path) -> None:
+    """Rank 1's files gone from the newest checkpoint of a 2-rank run (a node's writes lost): that checkpoint is
+    damaged (its manifest says 2 ranks saved it; the files present alone would say 1), and --resume falls back to
+    the one before."""
+    import shutil
+
+    from memtrain.train.resume_check import check_resume
+
+    shutil.copytree(whole, copy)
+    newest = copy / "checkpoints" / tag_for(STEPS)
+    lost = sorted(p.name for p in newest.glob("*") if p.name.startswith(("rng_rank1", "zero_pp_rank_1_")))
+    assert len(lost) == 3 and json.loads((newest / "manifest.json").read_text()) == {
+        "world_size": 2, "tp_size": 1, "samples": STEPS * 4 * 2}
+    for name in lost:
+        (newest / name).unlink()
+    point = check_resume(copy, 2, STEPS + 10)
+    assert point.tag == tag_for(9) and point.skipped == [(tag_for(STEPS), [f"{n} (missing)" for n in (
+        "rng_rank1.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt")])]
+
+
+def test_stop_signal_on_one_rank_stops_all_within_two_steps_and_a_last_step_stop_resumes_to_completed(tmp_path):
+    """SIGUSR1 reaches rank 1 alone inside step 5's optimizer step, with logging every 1000 steps (the next
+    boundary is the last step, 12): both ranks stop at step 6 (at most 2 steps later, agreed without a per-step
+    host sync), save it, and say preempted. A run preempted on its last step (here: resumed with max_steps 6)
+    has nothing left to train: the requeue's --resume completes it, exit 0, final/ written."""
+    from conftest import signal_after_step_env
+
+    run = tmp_path / "run"
+    args = [*FAST, "--set", "train.log_every=1000", "--run-dir", str(run)]
+    stopped = run_train([*args, "--max-steps", "12"], nproc=2, env=signal_after_step_env(tmp_path, 5, rank=1))
+    assert_ok(stopped)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGUSR1"
+    assert summary["steps"] == 6  # the flag rank 1 had after step 5 reaches every rank at step 6
+    assert (run / "checkpoints" / "latest").read_text() == tag_for(6)
+    resumed = run_train([*args, "--max-steps", "6", "--resume"], nproc=2)
+    assert_ok(resumed)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    assert (run / "final" / "config.json").is_file()
+
+
+def test_sigterm_to_the_launcher_alone_stops_every_rank_within_two_steps(tmp_path):
+    """SIGTERM to the `deepspeed` runner's own process (as `timeout`, Kubernetes or a CI runner send it), right after
+    step 4's optimizer step: DeepSpeed's runner dies of it and forwards nothing, yet both ranks stop by step 6, save,
+    say preempted, and no process of the launch remains."""
+    from conftest import _engine_step_hook_env
+
+    run = tmp_path / "run"
+    env = _engine_step_hook_env(tmp_path, "kill-runner", 4, (
+        "if os.environ.get('RANK') == '0':\n"
+        "    import psutil\n"
+        "    os.kill(psutil.Process(os.getppid()).ppid(), signal.SIGTERM)"))  # rank -> launch.py -> the runner
+    env.pop("PYTHONWARNINGS")  # as a user's shell has it: a direct launch is as quiet as make train
+    proc, out, err = _stopped_launch([str(Path(sys.executable).with_name("deepspeed"))], run, env, "SIGTERM")
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert ", which launched this rank, has ended: stopping as on SIGTERM (every rank saves and exits)" in err
+
+
+@pytest.mark.parametrize("to, stop", [("group", "SIGINT"), ("launcher", "SIGTERM")])
+def test_make_trains_launch_stops_cleanly(tmp_path, to, stop):
+    """make train's launcher (memtrain.train.launch), right after step 4's optimizer step: Ctrl-C (SIGINT to the
+    launch's whole process group), or SIGTERM to the launcher's own process alone (which it passes on to the ranks).
+    Every rank saves by step 6 and exits, no process of the launch remains, nothing prints a traceback (DeepSpeed's
+    runner printed a KeyboardInterrupt one), and the exit code names the signal. The Ctrl-C case goes through
+    DeepSpeed's runner and launch.py (CUDA_VISIBLE_DEVICES set), the SIGTERM case through the launcher's own start
+    of CPU ranks (memtrain.train.local_launch)."""
+    from conftest import _engine_step_hook_env
+
+    run = tmp_path / "run"
+    send = {"group": f"os.killpg(os.getpgid(0), signal.{stop})",  # as a terminal's Ctrl-C: every process of the group
+            "launcher": "import psutil; os.kill(next(p.pid for p in psutil.Process().parents() if "
+                        f"'memtrain.train.launch' in p.cmdline()), signal.{stop})"}[to]
+    env = _engine_step_hook_env(tmp_path, to, 4, f"if os.environ.get('RANK') == '0':\n    {send}")
+    if to == "group":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a device list of the user's: DeepSpeed's runner starts the ranks
+    proc, out, err = _stopped_launch([sys.executable, "-m", "memtrain.train.launch"], run, env, stop)
+    assert proc.returncode == 128 + getattr(signal, stop), err[-3000:]
+
+
+def _stopped_launch(launcher: list[str], run: Path, env: dict, stop: str):
+    """A 2-rank launch of 40 steps that a stop signal ends early: it saved and said so at step 5 or 6, no process of
+    it remains, and neither a traceback nor a warning was printed. (process, stdout, stderr)"""
+    cmd = [*launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(TRAIN), *FAST, "--max-steps", "40",
+           "--set", "train.log_every=1000", "--run-dir", str(run)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)  # EOF: every process holding the pipes (launch.py, ranks) is exiting
+        deadline = time.time() + 10  # a process closes its files before it has ended
+        while (left := _session(proc.pid)) and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        _kill_session(proc.pid)
+    assert left == [], "a process of the launch outlived its launcher"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["stop_signal"] == stop, (summary, err[-3000:])
+    assert 4 < summary["steps"] <= 6, summary
+    assert (run / "checkpoints" / "latest").read_text() == tag_for(summary["steps"])
+    assert [line for line in out.splitlines() if line.startswith("preempted: ")][0].endswith(
+        f"; continue with: --resume --run-dir {run}")
+    assert "Traceback" not in err and "Warning" not in err, err
+    return proc, out, err
+
+
+def _session(sid: int) -> list[psutil.Process]:
+    """The processes of session `sid` that have not ended (a zombie has: it waits only to be reaped)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return found
+
+
+def _kill_session(sid: int) -> None:
+    for p in _session(sid):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def test_stop_signal_during_start_up_ends_preempted_and_the_requeue_starts_cleanly(tmp_path):
+    """SIGUSR1 1.5 s after launch, while the process still imports and validates: recorded, not fatal. The run
+    ends preempted with no step and no model checkpoint; the requeue (--overwrite, as slurm/train.sbatch does
+    without a checkpoint) trains from step 0 to the end."""
+    run = tmp_path / "run"
+    args = [*FAST, "--max-steps", "3", "--run-dir", str(run)]
+    proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "preempted during start-up (SIGUSR1): no step run, nothing saved" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["steps"] == 0
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step*"))
+    again = run_train([*args, "--overwrite"])
+    assert_ok(again)
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_tensor_parallel_run_resumes_exactly(tmp_path):
+    """AutoTP 2 on 2 ranks (ds_configs/zero3_tp2_ckpt.json): DeepSpeed names its ZeRO shards by data-parallel and
+    model-parallel rank and records TP-local shapes; --resume finds the checkpoint intact, and steps 5-6 after it
+    equal a straight run's. Eager layers with attention dropout on: the RNG streams must come back too."""
+    ds = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json"), *FAST, "--set", "train.save_interval=2",
+          "--set", "model.config.attention_dropout=0.2"]
+    straight = tmp_path / "straight"
+    assert_ok(run_train([*ds, "--max-steps", "6", "--run-dir", str(straight)], nproc=2))
+    stopped = cut_back(straight, tmp_path / "stopped", 4)
+    assert sorted(p.name for p in (stopped / "checkpoints" / tag_for(4)).glob("zero_pp_rank_*")) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+    resumed = run_train([*ds, "--max-steps", "6", "--run-dir", str(stopped), "--resume"], nproc=2)
+    assert_ok(resumed)
+    assert json.loads((stopped / "summary.json").read_text())["status"] == "completed"
+    ref = dict(read_scalars(straight / "tb")["train/loss"])
+    got = dict(read_scalars(stopped / "tb")["train/loss"])
+    assert [got[5], got[6]] == [ref[5], ref[6]]
+
+
+def test_timed_saves_are_agreed_on_every_rank_and_on_by_default_in_a_slurm_job(tmp_path):
+    """train.save_every_minutes: rank 0's clock decides, the stop agreement's all-reduce carries it, and both ranks
+    save at the same steps: each timed checkpoint is complete (2 ranks' files, as its manifest says). In a Slurm job
+    (SLURM_JOB_ID) timed saves are on by default (what a requeue after a lost node resumes from) and the plan says so."""
+    from memtrain.train.checkpoint import damage
+
+    run = tmp_path / "run"
+    env = {**_env(), "SLURM_JOB_ID": "4242"}
+    proc = run_train([*FAST, "--max-steps", "12", "--set", "train.log_every=1000", "--set", "train.keep_last=100",
+                      "--set", "train.save_every_minutes=0.003", "--run-dir", str(run)], nproc=2, env=env)
+    assert_ok(proc)
+    assert "model checkpoints: every 0.003 min of training (train.save_every_minutes), on a stop signal and at the " \
+           "end" in proc.stdout
+    steps = sorted(int(p.name[4:]) for p in (run / "checkpoints").glob("step*"))
+    assert len(steps) >= 3 and steps[-1] == 12, steps  # timed ones between, and the last
+    for step in steps:
+        assert damage(run / "checkpoints" / tag_for(step)) == [], step
+    default = run_train([*FAST, "--max-steps", "1", "--run-dir", str(tmp_path / "default")], env=env)
+    assert_ok(default)
+    assert "model checkpoints: every 30 min of training (a Slurm job's default), on a stop signal and at the end" \
+        in default.stdout

@@ -1,0 +1,84 @@
+"""Dropout under AutoTP (memtrain.train.rng): the ranks of a tensor-parallel group draw the same masks on replicated
+activations and their own masks on their shards of the attention heads, through recompute and resume.
+
+Two launches of the real `deepspeed` launcher with 2 gloo ranks (tests/tp_dropout_worker.py): every check and a
+2-step trainer run, then the trainer resumed from that run's step-1 model checkpoint. References are independent
+of the code under test: a plain single-process copy of the weights seeded with torch.manual_seed, no-recompute
+gradients, the other rank's numbers. One line for what cannot be placed is checked in-process (the preflight).
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, _env, _free_port, cut_back
+
+
+def _launch(out: Path, *args: str) -> list[dict]:
+    deepspeed_bin = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(deepspeed_bin), "--num_gpus", "2", "--master_port", str(_free_port()),
+           str(ROOT / "tests" / "tp_dropout_worker.py"), str(out), *args]
+    proc = subprocess.run(cmd, cwd=out, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_dropout")
+    ranks = _launch(out, "all")
+    resumed_dir = cut_back(out / "run", out / "resumed", 1)
+    resumed_out = out / "resume-out"
+    resumed_out.mkdir()
+    return ranks, _launch(resumed_out, "resume", str(resumed_dir))
+
+
+def test_tp_group_draws_one_models_residual_masks(tp):
+    """Residual dropout 0.1, attention dropout 0: the TP=2 run's loss and gradients (shards gathered) are the
+    single process's with the same seed, on both ranks. Seeded by global rank, rank 1 drew other masks."""
+    ranks, _ = tp
+    for r in ranks:
+        row = r["reference"]
+        assert row["layout"][0] == 2 and row["installed"] == 0  # nothing drops out on a shard: no fork
+        assert row["loss"] == pytest.approx(row["ref_loss"], abs=1e-6), row
+        assert row["grad_rel_diff"][0] < 1e-5, row
+    assert sorted(r["reference"]["layout"][1] for r in ranks) == [0, 1]  # two TP ranks of one data-parallel rank
+
+
+def test_sharded_heads_draw_their_own_masks_and_the_residual_stream_stays_one(tp):
+    """Attention dropout 0.1 as well: each rank's attention-probability masks (its own heads) differ from the other
+    rank's, where the same stream without the forks gives both ranks one pattern; the replicated stream after the
+    fork is still one: equal losses."""
+    ranks, _ = tp
+    a, b = (r["masks"] for r in ranks)
+    assert a["installed"] == a["forks"] == 4 and a["count"] == 4  # every layer's attention sublayer
+    assert a["unforked_layer0"] == b["unforked_layer0"]  # the check can tell: one stream, one pattern
+    assert a["layer0"] != b["layer0"]
+    assert 0.05 < sum(a["layer0"]) / a["live"] < 0.15  # about p of the probabilities dropped
+    assert a["loss"] == b["loss"]
+
+
+def test_recompute_replays_the_sharded_masks(tp):
+    """Full recompute (DeepSpeed's reentrant checkpoint with partitioned inputs, torch's non-reentrant one) with
+    attention and residual dropout: bit-identical gradients to no recompute on each rank."""
+    ranks, _ = tp
+    for r in ranks:
+        row = r["recompute"]
+        assert row["grad_max"] > 0
+        assert row["grad_max_diff"] == {"deepspeed": 0.0, "torch": 0.0}, row
+        assert len(set(row["losses"].values())) == 1, row
+
+
+def test_trainer_ranks_agree_at_every_step_and_after_resume(tp):
+    """src/train.py's trainer, tiny OPT (dropout 0.1, attention dropout 0.1), ZeRO-3 + AutoTP 2 with partitioned
+    recompute (ds_configs/zero3_tp2_ckpt.json): the two ranks' losses on the same batch are equal at step 1 and
+    step 2; resumed from step 1's model checkpoint (per-rank RNG files), step 2's losses are the straight run's."""
+    straight, resumed = tp
+    a, b = (r["trainer"] for r in straight)
+    assert a["status"] == "completed" and a["forks"] == 4
+    assert len(a["losses"]) == 2 and a["losses"] == b["losses"], (a["losses"], b["losses"])
+    assert a["losses"][0] != a["losses"][1]
+    ra, rb = (r["trainer"] for r in resumed)
+    assert ra["losses"] == rb["losses"] == a["losses"][1:], (ra["losses"], rb["losses"], a["losses"])
