@@ -175,7 +175,8 @@ def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage:
     copies_step = elem * shape.params / layout.zero if offload_opt else 0.0
     time = step_time(s.hw, layout, collectives, s.flops_per_token * mb * s.seq_len / (fam.tp * fam.sp),
                      sum(choice_seconds(profile, s.rates, c) for c in plan), ga,
-                     optimizer_seconds(s.hw, trained_rank, offload_opt, s.ranks_per_node), copies_micro, copies_step)
+                     optimizer_seconds(s.hw, trained_rank, offload_opt, s.ranks_per_node), copies_micro, copies_step,
+                     tuple(c.mode for c in plan))
     tokens_per_s = s.global_tokens / time.seconds
     cfg = Config(stage, offload_opt, offload_param, fam.tp, fam.sp, mb, ga, fam.activation_offload)
     return Scored(cfg, plan, pred, s.ranks_per_node * (states.host + pred.host_activations), time, tokens_per_s,
