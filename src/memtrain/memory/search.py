@@ -93,6 +93,18 @@ def layouts(recipe, config, world: int, gpus_per_node: int, sp_ok=None):
                 yield tp, sp, activation_offload, reason
 
 
+_META_MODELS: dict = {}  # (model section, config) -> the model on the meta device: no search changes it
+
+
+def _meta_model(recipe, config):
+    """The recipe's model on the meta device, built once per process for its model section and config (as the
+    activation profiles are measured once: `memtrain.memory.profile`)."""
+    key = (recipe.model.model_dump_json(), config.to_json_string())
+    if key not in _META_MODELS:
+        _META_MODELS[key] = build_on_meta(recipe.model, config)
+    return _META_MODELS[key]
+
+
 def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],
               s: Setting, solved: Optional[list] = None, fam: Optional[Family] = None) -> Optional[tuple[LayerChoice, ...]]:
     """The per-layer plan `policy: auto` picks under the budget (the exact solver), or None if none fits.
@@ -170,7 +182,7 @@ def search(recipe, base_ds: dict, hw: Hardware, nodes: int, global_tokens: int, 
     result = SearchResult([], Counter(), world, budget, host_budget, global_tokens, base_ds, rates)
     per_family = len(ZERO_VARIANTS) * len(micro_batches)
     items = list(layouts(recipe, config, world, hw.gpus_per_node, sp_ok))
-    meta = build_on_meta(recipe.model, config)  # one model for every family's recompute spec
+    meta = _meta_model(recipe, config)  # one model for every family's recompute spec
     for tp, sp, activation_offload, reason in (progress(items) if progress else items):
         if reason:
             result.dropped[reason] += per_family
