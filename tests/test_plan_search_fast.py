@@ -110,3 +110,23 @@ def test_search_scores_every_configuration_as_alone(tmp_path, host_budget):
         assert x.time.seconds == pytest.approx(y.time.seconds, rel=1e-9, abs=0), x.config.label()
     assert sum(any(c.mode != "keep" for c in x.layers) for x in alone) > 20
     assert sum(any(c.offload for c in x.layers) for x in alone) > 10
+
+
+def test_a_second_search_measures_no_profile_again(monkeypatch):
+    """What the search caches across searches (the meta model, the profiles) leaves the next search's cache keys as
+    they were: a second search in one process measures nothing on fake tensors, and answers the same."""
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.config.recipe import load_recipe
+    from memtrain.memory import profile
+    from memtrain.memory.hardware import load_hardware
+    from memtrain.memory.search import search
+
+    recipe = load_recipe(None, ["data.seq_len=48", "model.config.intermediate_size=80"])  # a model no test measured
+    args = (recipe, load_ds_config(DS), load_hardware(H100), 1, 48 * 8 * 4)
+    first = search(*args, micro_batches=(1, 2), exact_top=0)
+    measured = []
+    real = profile._measure_profile
+    monkeypatch.setattr(profile, "_measure_profile", lambda *a, **k: measured.append(a) or real(*a, **k))
+    second = search(*args, micro_batches=(1, 2), exact_top=0)
+    assert not measured
+    assert [(x.config, x.layers, x.peak) for x in first.scored] == [(x.config, x.layers, x.peak) for x in second.scored]

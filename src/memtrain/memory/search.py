@@ -20,6 +20,7 @@ its JSON and recipe: memtrain.memory.plan_files.
 from __future__ import annotations
 
 import bisect
+import copy
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -98,10 +99,11 @@ _META_MODELS: dict = {}  # (model section, config) -> the model on the meta devi
 
 def _meta_model(recipe, config):
     """The recipe's model on the meta device, built once per process for its model section and config (as the
-    activation profiles are measured once: `memtrain.memory.profile`)."""
+    activation profiles are measured once: `memtrain.memory.profile`). Built from a copy: transformers writes
+    into the config it builds from (its dtype), which would change the profiles' cache key."""
     key = (recipe.model.model_dump_json(), config.to_json_string())
     if key not in _META_MODELS:
-        _META_MODELS[key] = build_on_meta(recipe.model, config)
+        _META_MODELS[key] = build_on_meta(recipe.model, copy.deepcopy(config))
     return _META_MODELS[key]
 
 
