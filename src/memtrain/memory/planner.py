@@ -139,14 +139,23 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[Laye
 def _pareto(prefix: np.ndarray, time: np.ndarray, key: np.ndarray) -> np.ndarray:
     """Indices of the states no state of the same key beats in both bytes and time, per key by increasing
     bytes (strictly decreasing time; ties to the earlier state)."""
+    if not key.any():  # one key (no offload): one run
+        order = np.lexsort((time, prefix))
+        return order[_below_every_earlier(time[order])]
     order = np.lexsort((time, prefix, key))
     key_sorted, time_sorted = key[order], time[order]
     kept = []
     for start, end in _runs(key_sorted):
-        t = time_sorted[start:end]
-        before = np.minimum.accumulate(np.concatenate(([np.inf], t[:-1])))
-        kept.append(order[start:end][t < before - 1e-15])
+        kept.append(order[start:end][_below_every_earlier(time_sorted[start:end])])
     return np.concatenate(kept)
+
+
+def _below_every_earlier(t: np.ndarray) -> np.ndarray:
+    """Which of `t` lie below the least of those before them (the first always)."""
+    before = np.empty_like(t)
+    before[0] = np.inf
+    np.minimum.accumulate(t[:-1], out=before[1:])
+    return t < before - 1e-15
 
 
 def _runs(values: np.ndarray):

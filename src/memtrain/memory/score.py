@@ -21,7 +21,7 @@ from memtrain.memory.profile import ActivationProfile, profile_activations
 from memtrain.memory.rates import Rates
 from memtrain.memory.states import ModelStates, keeps_gathered, persistent_elements, zero_config
 from memtrain.memory.step_time import StepTime, optimizer_seconds, step_time
-from memtrain.memory.target import Target, make_target, recompute_spec
+from memtrain.memory.target import Target, make_target, resolve_spec
 from memtrain.memory.tensor_parallel import supports
 
 
@@ -86,6 +86,14 @@ class Family:
             self.cache[key] = self.profile if same else self.profile.scaled(micro_batch)
         return self.cache[key]
 
+    def seconds_at(self, micro_batch: int, rates: Rates) -> dict[LayerChoice, float]:
+        """`planner.choice_seconds` of each choice at `micro_batch` (once per micro-batch and rates)."""
+        key = ("seconds", micro_batch, rates)
+        if key not in self.cache:
+            profile = self.profile_at(micro_batch)
+            self.cache[key] = {c: choice_seconds(profile, rates, c) for c in self.choices}
+        return self.cache[key]
+
     def predict(self, micro_batch: int, states: ModelStates, plan: tuple[LayerChoice, ...]) -> Prediction:
         """`memtrain.memory.predict` of a plan at `micro_batch`. Its activation terms depend on the model states
         only through their ZeRO-1/2 reduce buffers, so they are walked once per (micro-batch, buffers, plan)."""
@@ -101,10 +109,12 @@ def sheet_rates(hw: Hardware) -> Rates:
 
 
 def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, activation_offload: bool,
-                rates: Rates) -> Optional[Family]:
+                rates: Rates, model=None) -> Optional[Family]:
+    """A family's JSON, recipe, target, profile and choices. `model`: the recipe's model on the meta device, built
+    once for all families (none of their choices changes it); default: built here."""
     ds = family_ds(base_ds, tp, activation_offload)
     r = family_recipe(recipe, sp)
-    spec = recompute_spec(r, ds, "cuda", world)
+    spec = resolve_spec(r, ds, world, "cuda", model=model)[0]
     target = make_target(r, ds, world, spec=spec)
     profile = profile_activations(config, target)
     choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
@@ -148,7 +158,11 @@ class Setting:
 def _zero_facts(fam: Family, config, ds: dict, stage: int, layout: Layout) -> tuple[int, ModelShape, int, bool]:
     """(persistent elements, model shape, gathers per micro-step, resident) of a family's ZeRO variant: the same
     for all its micro-batches (the parameters do not change with the batch), so computed once per JSON."""
-    key = ("zero", stage, json.dumps(ds.get("zero_optimization", {}), sort_keys=True, default=str))
+    same = fam.cache.get(("zero-json", id(ds)))  # the JSON itself kept in the memo: its id is not reused
+    if same is None or same[0] is not ds:
+        same = ds, json.dumps(ds.get("zero_optimization", {}), sort_keys=True, default=str)
+        fam.cache[("zero-json", id(ds))] = same
+    key = ("zero", stage, same[1])
     if key not in fam.cache:
         zero = zero_config(ds)
         persistent = persistent_elements(fam.profile, zero) if stage == 3 else 0
@@ -156,6 +170,15 @@ def _zero_facts(fam: Family, config, ds: dict, stage: int, layout: Layout) -> tu
         gathers = 1 if keeps_gathered(zero, fam.profile.num_params, layout.zero) else 2
         fam.cache[key] = persistent, shape, gathers, resident(ds, layout.zero)
     return fam.cache[key]
+
+
+def _seconds_of(fam: Family, profile: ActivationProfile, rates: Rates):
+    """choice -> `planner.choice_seconds` on `profile`: the family's memo where `profile` is its own at that
+    micro-batch (a refined configuration's measured profile is computed afresh)."""
+    mb = profile.target.micro_batch_size
+    if fam.profile_at(mb) is profile:
+        return fam.seconds_at(mb, rates).__getitem__
+    return lambda c: choice_seconds(profile, rates, c)
 
 
 def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage: int, offload_opt: bool,
@@ -174,7 +197,7 @@ def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage:
         copies_micro += elem * (shape.params - persistent) / layout.zero * gathers
     copies_step = elem * shape.params / layout.zero if offload_opt else 0.0
     time = step_time(s.hw, layout, collectives, s.flops_per_token * mb * s.seq_len / (fam.tp * fam.sp),
-                     sum(choice_seconds(profile, s.rates, c) for c in plan), ga,
+                     sum(map(_seconds_of(fam, profile, s.rates), plan)), ga,
                      optimizer_seconds(s.hw, trained_rank, offload_opt, s.ranks_per_node), copies_micro, copies_step,
                      tuple(c.mode for c in plan))
     tokens_per_s = s.global_tokens / time.seconds

@@ -20,11 +20,13 @@ its JSON and recipe: memtrain.memory.plan_files.
 from __future__ import annotations
 
 import bisect
+import copy
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from memtrain.memory.flops import model_flops_per_token
+from memtrain.model.build import build_on_meta
 from memtrain.memory.hardware import Hardware
 from memtrain.memory.plan_files import family_ds, family_recipe, variant_ds
 from memtrain.memory.planner import activation_limit, choice_seconds, solve
@@ -92,6 +94,19 @@ def layouts(recipe, config, world: int, gpus_per_node: int, sp_ok=None):
                 yield tp, sp, activation_offload, reason
 
 
+_META_MODELS: dict = {}  # (model section, config) -> the model on the meta device: no search changes it
+
+
+def _meta_model(recipe, config):
+    """The recipe's model on the meta device, built once per process for its model section and config (as the
+    activation profiles are measured once: `memtrain.memory.profile`). Built from a copy: transformers writes
+    into the config it builds from (its dtype), which would change the profiles' cache key."""
+    key = (recipe.model.model_dump_json(), config.to_json_string())
+    if key not in _META_MODELS:
+        _META_MODELS[key] = build_on_meta(recipe.model, copy.deepcopy(config))
+    return _META_MODELS[key]
+
+
 def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],
               s: Setting, solved: Optional[list] = None, fam: Optional[Family] = None) -> Optional[tuple[LayerChoice, ...]]:
     """The per-layer plan `policy: auto` picks under the budget (the exact solver), or None if none fits.
@@ -108,16 +123,18 @@ def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[La
     for larger, plan, need in solved if solved is not None else ():
         if limit <= larger and (plan is None or need <= limit):
             return plan
-    plan = solve(profile, limit, choices, {c: choice_seconds(profile, s.rates, c) for c in choices},
-                 backward_extra=states.backward)
+    seconds = fam.seconds_at(profile.target.micro_batch_size, s.rates) if fam else {
+        c: choice_seconds(profile, s.rates, c) for c in choices}
+    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward)
     if solved is not None:
         pred = None if plan is None else walk(plan)
         solved.append((limit, plan, None if pred is None else pred.activation_peak + pred.reduce_buffers))
     return plan
 
 
-def _variant(s: Setting, fam: Family, config, variant, micro_batches, result: SearchResult, solved: dict) -> None:
-    """Score every micro-batch of one ZeRO variant of a family, or count why not."""
+def _variant(s: Setting, fam: Family, config, variant, ds: dict, states: ModelStates, micro_batches,
+             result: SearchResult, solved: dict) -> None:
+    """Score every micro-batch of one ZeRO variant of a family (its JSON `ds`, its model states), or count why not."""
     stage, offload_opt, offload_param = variant
     if fam.sp > 1 and stage == 0:
         result.dropped["SP with ZeRO-0 (Ulysses needs ZeRO >= 1)"] += len(micro_batches)
@@ -125,8 +142,6 @@ def _variant(s: Setting, fam: Family, config, variant, micro_batches, result: Se
     if offload_param and fam.target.quantization is not None:
         result.dropped["offload_param with model.quantization (memtrain refuses it: untested)"] += len(micro_batches)
         return
-    ds = variant_ds(fam.ds, stage, offload_opt, offload_param)
-    states = model_states(fam.profile, ds, fam.target)
     if s.ranks_per_node * states.host > s.host_budget:
         result.dropped["host RAM per node exceeded by the ranks' offloaded model states"] += len(micro_batches)
         return
@@ -169,21 +184,31 @@ def search(recipe, base_ds: dict, hw: Hardware, nodes: int, global_tokens: int, 
     result = SearchResult([], Counter(), world, budget, host_budget, global_tokens, base_ds, rates)
     per_family = len(ZERO_VARIANTS) * len(micro_batches)
     items = list(layouts(recipe, config, world, hw.gpus_per_node, sp_ok))
+    meta = _meta_model(recipe, config)  # one model for every family's recompute spec
     for tp, sp, activation_offload, reason in (progress(items) if progress else items):
         if reason:
             result.dropped[reason] += per_family
             continue
-        fam = make_family(recipe, base_ds, config, world, tp, sp, activation_offload, rates)
+        fam = make_family(recipe, base_ds, config, world, tp, sp, activation_offload, rates, meta)
         if fam is None:
             result.dropped["activation offload: no layer can offload (needs full recompute)"] += per_family
             continue
         solved: dict = {}  # (micro-batch, ZeRO-1/2 reduce buffers) -> solves, largest limits first:
-        for variant in sorted(ZERO_VARIANTS, key=lambda v: model_states(fam.profile, variant_ds(fam.ds, *v),
-                                                                          fam.target).total):
-            _variant(s, fam, config, variant, micro_batches, result, solved)
+        for variant, ds, states in _variants_by_size(fam):
+            _variant(s, fam, config, variant, ds, states, micro_batches, result, solved)
     result.scored.sort(key=rank_key)
     refine(s, config, result, exact_top)
     return result
+
+
+def _variants_by_size(fam: Family) -> list[tuple[tuple, dict, ModelStates]]:
+    """(variant, its JSON, its model states) of every ZeRO variant, smallest model states first: the per-layer
+    solves then run largest activation limit first, which `best_plan`'s reuse needs. Each computed once."""
+    out = []
+    for variant in ZERO_VARIANTS:
+        ds = variant_ds(fam.ds, *variant)
+        out.append((variant, ds, model_states(fam.profile, ds, fam.target)))
+    return sorted(out, key=lambda v: v[2].total)
 
 
 def rank_key(x: Scored) -> tuple:
