@@ -11,13 +11,12 @@ from typing import NamedTuple, Optional
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP, OP
-from memtrain.recompute.hooks import module_pattern, sublayer
+from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP
+from memtrain.recompute.units import ModelPaths, model_paths, recompute_units
 from memtrain.memory import tensor_parallel
 from memtrain.memory.target import Target
 from memtrain.memory.states import ModelStates, model_states
 from memtrain.memory.profile import MODULES, ActivationProfile, fake_model, profile_activations, supported_modes, modules_mode
-from memtrain.model.build import decoder_layers
 from memtrain.recompute.offload import PREFETCH_DEPTH
 
 # Allocator margin on CUDA: what torch.cuda.max_memory_allocated() shows above the live tensors
@@ -250,73 +249,57 @@ def eval_peak(profile: ActivationProfile, states: ModelStates) -> int:
 
 # --------------------------------------------------------------------------- any ACPlan
 
-def _layer_module_names(model) -> tuple[str, list[str]]:
-    """(path of the decoder-layer list, module paths inside layer 0 relative to it, '' = the layer)."""
-    path, layers = decoder_layers(model)
-    return path, [n for n, _ in layers[0].named_modules()]
+def predicted_paths(model1, num_layers: int) -> ModelPaths:
+    """The module paths of a `num_layers`-layer model of the family, from a 1-layer one (fake or meta tensors): layer
+    i's paths are layer 0's with the index replaced, in module order."""
+    one = model_paths(model1)
+    head = f"{one.layer_path}.0"
+    names = []
+    for name in one.names:
+        if name == head:
+            names += [f"{one.layer_path}.{i}" + rest for i in range(num_layers) for rest in
+                      ("", *(n[len(head):] for n in one.names if n.startswith(head + ".")))]
+        elif not name.startswith(head + "."):
+            names.append(name)
+    return ModelPaths(tuple(names), one.layer_path, one.layers * num_layers, one.model_type)
 
 
 def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[LayerChoice, ...], list[str]]:
     """Per-layer choices (measured mode keys, offload) of an ACPlan, and notes on what is not modelled.
 
-    `model1` is a 1-layer model of the family (fake or meta tensors): module paths of layer i are
-    those of layer 0 with the index replaced. Patterns go as apply_plan takes them: in order,
-    skipping a match inside (or around) a module already recomputed. Inside layer i, the matched
-    set {the layer} is mode full, {its attention / MLP sublayer} mode attn / mlp, anything else a
-    measured `modules_mode`. Matches outside the decoder layers are not modelled (noted).
+    The units are those `apply_plan` installs (`memtrain.recompute.units.recompute_units`), on the paths of a
+    `num_layers`-layer model of `model1`'s family (`predicted_paths`). Inside layer i, the units {the layer} are
+    mode full (or its own mode), {its attention / MLP sublayer} mode attn / mlp, anything else a measured
+    `modules_mode`. Units outside the decoder layers are not modelled (noted), nor is the offload of a
+    `modules_mode` set (noted: predicted on the device).
     """
-    layer_path, inside = _layer_module_names(model1)
-    outside = [n for n, _ in model1.named_modules() if n and not (n == layer_path or n.startswith(layer_path + "."))]
-    names = list(outside)
-    for i in range(num_layers):
-        names += [f"{layer_path}.{i}" + (f".{rel}" if rel else "") for rel in inside]
-    sub = {}
-    layer0 = dict(model1.named_modules())[f"{layer_path}.0"]
-    for mode in (ATTN, MLP):
-        try:
-            sub[mode] = next(n for n, m in layer0.named_children() if m is sublayer(layer0, mode))
-        except Exception:  # noqa: BLE001 - a family without that sublayer
-            pass
-    taken = set()
-    for i, mode in enumerate(plan.layers):
-        if mode in (FULL, OP):
-            taken.add(f"{layer_path}.{i}")
-        elif mode in sub:
-            taken.add(f"{layer_path}.{i}.{sub[mode]}")
-    per_layer: list[list[str]] = [[] for _ in range(num_layers)]
-    notes, unmodelled = [], []
-    for text in plan.modules:
-        rx = module_pattern(text)
-        found = [n for n in names if rx.match(n)]
-        if not found:
-            notes.append(f"modules pattern '{text}' matches no module (apply_plan refuses it); not modelled")
-        for name in found:
-            if any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
-                continue
-            taken.add(name)
-            rest = name[len(layer_path) + 1:] if name.startswith(layer_path + ".") else ""
-            index, _, rel = rest.partition(".")
-            if not rest or not index.isdigit():
-                unmodelled.append(name)
-                continue
-            per_layer[int(index)].append(rel)
-    if unmodelled:
+    units, _ = recompute_units(plan, predicted_paths(model1, num_layers))
+    per_layer: list[list] = [[] for _ in range(num_layers)]
+    outside = []
+    for unit in units:
+        (per_layer[unit.layer] if unit.layer is not None else outside).append(unit)
+    notes = []
+    if outside:
+        names = [u.name for u in outside]
         notes.append(f"modules pattern matches outside the decoder layers not modelled (predicted as kept): "
-                     f"{', '.join(unmodelled[:4])}" + (" ..." if len(unmodelled) > 4 else ""))
-    choices = []
-    for i, mode in enumerate(plan.layers):
-        rels = per_layer[i]
-        if mode == KEEP and rels:
-            if rels == [""]:
-                mode = FULL
-            elif len(rels) == 1 and rels[0] == sub.get(ATTN):
-                mode = ATTN
-            elif len(rels) == 1 and rels[0] == sub.get(MLP):
-                mode = MLP
-            else:
-                mode = modules_mode(rels)
-        offload = i < len(plan.offload) and plan.offload[i] and plan.cpu_checkpointing
-        choices.append(LayerChoice(mode, bool(offload) and mode != KEEP))
+                     f"{', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""))
+    layer0 = model_paths(model1).layers[0]
+    choices, unmodelled_offload = [], []
+    for i, found in enumerate(per_layer):
+        mode, offload = KEEP, any(u.offload for u in found)
+        if len(found) == 1 and (found[0].inside == "" or found[0].inside in (layer0.attn, layer0.mlp)):
+            unit = found[0]
+            mode = unit.mode if not unit.matched else FULL if unit.inside == "" else \
+                ATTN if unit.inside == layer0.attn else MLP
+        elif found:
+            mode = modules_mode([u.inside for u in found])
+            if offload:
+                unmodelled_offload.append(i)
+                offload = False
+        choices.append(LayerChoice(mode, offload))
+    if unmodelled_offload:
+        notes.append(f"offload of modules matched inside layers {','.join(map(str, unmodelled_offload))} not "
+                     "modelled (predicted on the device)")
     return tuple(choices), notes
 
 

@@ -18,7 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP
-from memtrain.recompute.hooks import apply_plan, find_sublayer, remove_plan
+from memtrain.recompute.hooks import apply_plan, remove_plan
+from memtrain.recompute.units import find_sublayer
 from memtrain.memory import tensor_parallel, ulysses
 from memtrain.recompute.meter import ActivationMeter, StepTracker
 from memtrain.memory.target import Target

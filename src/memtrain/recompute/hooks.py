@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import types
 import warnings as _warnings
 from contextlib import contextmanager
@@ -38,7 +37,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from memtrain.errors import UserError
 from memtrain.recompute.meter import current_activation_meter
 from memtrain.config.recompute_spec import RecomputeSpec
-from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, SUBLAYER_NAMES, ACPlan, draws_random, op_rules
+from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, ACPlan, draws_random, op_rules
+from memtrain.recompute.units import model_units
 from memtrain.recompute.offload import ActivationOffloader
 from memtrain.recompute.compiled import CompiledLayers, compiled_fn
 from memtrain.model.build import decoder_layers
@@ -368,43 +368,6 @@ def _checkpoint_module(module: nn.Module, fn: Callable) -> None:
         module.forward = types.MethodType(_checkpointed_forward, module)
 
 
-def find_sublayer(layer: nn.Module, mode: str) -> Optional[nn.Module]:
-    """The layer's attention (mode 'attn') or MLP ('mlp') sublayer, or None where it has none by a known name
-    (OPT's MLP is fc1/fc2 directly on the layer)."""
-    return next((getattr(layer, name) for name in SUBLAYER_NAMES[mode]
-                 if isinstance(getattr(layer, name, None), nn.Module)), None)
-
-
-def sublayer(layer: nn.Module, mode: str) -> nn.Module:
-    """The layer's attention or MLP sublayer (`find_sublayer`); one line naming its submodules if it has none."""
-    found = find_sublayer(layer, mode)
-    if found is not None:
-        return found
-    children = ", ".join(name for name, _ in layer.named_children())
-    raise UserError(f"activation_checkpointing.policy: {type(layer).__name__} has no {mode} sublayer named "
-                    f"{' / '.join(SUBLAYER_NAMES[mode])} (its submodules: {children}); every policy but "
-                    f"selective:{mode} works, or policy 'modules' with module-path patterns of those")
-
-
-def module_pattern(text: str) -> re.Pattern:
-    """An `activation_checkpointing.modules` pattern as a regex: '*' stands for one part of a module path."""
-    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in text.strip().split("*")) + "$")
-
-
-def _match_modules(model: nn.Module, patterns) -> list[str]:
-    names = [n for n, _ in model.named_modules() if n]
-    hits = []
-    for text in patterns:
-        rx = module_pattern(text)
-        found = [n for n in names if rx.match(n)]
-        if not found:
-            examples = ", ".join(n for n in names if re.search(r"\.0\.[^.]+$", n))[:160]
-            raise UserError(f"activation_checkpointing.modules: '{text}' matches no module of "
-                            f"{type(model).__name__} ('*' is one path part; e.g. {examples})")
-        hits += [n for n in found if n not in hits]
-    return hits
-
-
 def remove_plan(model: nn.Module) -> None:
     """Undo `apply_plan` (no layer or module recomputed)."""
     from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: PLC0415 transformers: heavy, imported only when this runs
@@ -433,22 +396,22 @@ def _stateful_warnings(model: nn.Module, units: list[nn.Module]) -> list[str]:
 def apply_plan(model: nn.Module, plan: ACPlan, compiled: Optional[CompiledLayers] = None) -> list[str]:
     """Install `plan` on a causal LM (or directly on its decoder-layer list), replacing any
     earlier plan; with `compiled` (train.compile), every decoder layer runs compiled in training.
-    Returns (and emits as RuntimeWarning) warnings about stateful modules."""
+    It installs the units `memtrain.recompute.units.recompute_units` lists, the ones the predictor measures.
+    Returns (and emits as RuntimeWarning) warnings about skipped overlapping patterns and stateful modules."""
     _, layers = decoder_layers(model)
     if len(layers) != len(plan.layers):
         raise ValueError(f"plan has {len(plan.layers)} layers, the model {len(layers)}")
+    units, warnings = model_units(model, plan)  # the one list the predictor measures too
     remove_plan(model)
     # memtrain's cpu_checkpointing: one offloader for the whole model (it orders the prefetches);
     # kept as `model.ac_offloader` for inspection
     offloader = model.ac_offloader = ActivationOffloader() if plan.memtrain_offload else None
-    units = []
-    for i, (layer, mode) in enumerate(zip(layers, plan.layers)):
-        if mode in (FULL, OP):
-            units.append(layer)
-        elif mode in (ATTN, MLP):
-            units.append(sublayer(layer, mode))
-        if mode != KEEP:
-            _checkpoint_module(units[-1], checkpoint_function(plan, i, offloader, compiled=compiled))
+    named = dict(model.named_modules())
+    for unit in units:
+        _checkpoint_module(named[unit.name], checkpoint_function(
+            plan, None if unit.matched else unit.layer, offloader, offload=unit.offload,
+            compiled=None if unit.matched else compiled))
+    for layer, mode in zip(layers, plan.layers):
         if compiled is not None and mode in (KEEP, ATTN, MLP):  # compiled as it is (a sublayer's checkpoint inside)
             layer.gradient_checkpointing = True
             layer._gradient_checkpointing_func = compiled.forward
@@ -457,26 +420,7 @@ def apply_plan(model: nn.Module, plan: ACPlan, compiled: Optional[CompiledLayers
                            compiled_fn(compiled))
         for layer in layers[start:stop]:
             layer._gradient_checkpointing_func = segment.call
-    named = dict(model.named_modules())
-    taken = {n for n, m in named.items() if any(m is u for u in units)}
-    warnings, matched = [], []
-    for name in _match_modules(model, plan.modules):
-        outer = next((t for t in taken if name.startswith(t + ".") or t.startswith(name + ".")), None)
-        if outer is not None:
-            warnings.append(f"activation_checkpointing.modules: '{name}' overlaps '{outer}', "
-                            "which is already recomputed; skipped")
-            continue
-        taken.add(name)
-        matched.append(name)
-    # each matched module is one offload unit; the last `offload_skip_last` in module order (the
-    # forward's order in a decoder) keep their input on the device
-    order = list(named)
-    matched.sort(key=order.index)
-    offloaded = max(len(matched) - plan.offload_skip_last, 0) if offloader is not None else 0
-    for k, name in enumerate(matched):
-        units.append(named[name])
-        _checkpoint_module(named[name], checkpoint_function(plan, None, offloader, offload=k < offloaded))
-    warnings += _stateful_warnings(model, units)
+    warnings += _stateful_warnings(model, [named[unit.name] for unit in units])
     for w in warnings:
         _warnings.warn(w, RuntimeWarning, stacklevel=2)
     return warnings

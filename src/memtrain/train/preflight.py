@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 import socket
-import warnings
 
 import torch
 
@@ -48,7 +47,7 @@ from memtrain.model.quantize import packed_shapes
 from memtrain.errors import NodeError, UserError, cli_entry, is_rank_zero
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
 from memtrain.config.zero3 import Zero3Layout, hooks_inside_layers
-from memtrain.recompute.hooks import apply_plan
+from memtrain.recompute.units import model_units
 from memtrain.config.recipe import DataSection, pretrained_tokenizer
 from memtrain.recompute.partition import with_expected_bytes
 from memtrain.train.parallel import check_autotp_model
@@ -108,14 +107,6 @@ def check_eval_files(data: DataSection, trained: list[Path]) -> None:
     if both:
         raise UserError(f"data.eval_paths: {both[0]} is in data.paths too ({len(both)} file(s) in both): held-out "
                         "data must not be trained on")
-
-
-def check_plan_applies(model, plan: ACPlan) -> None:
-    """Install the AC plan on the meta-device model, as the workers will: module patterns that match
-    nothing, sublayers a family lacks and layer-count mismatches are found here."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # stateful-module warnings: the workers give them
-        apply_plan(model, plan)
 
 
 def check_run_dir(args: RunArgs, world_size: int) -> Optional[checkpoint.ResumePoint]:
@@ -272,7 +263,9 @@ def _ac_plan(spec: RecomputeSpec, args: RunArgs, world_size: int, config, model)
         plan, memory_plan = auto_plan(spec, args.recipe, args.ds_config, world_size, config)
     else:
         plan = build_plan(spec, config.num_hidden_layers)
-    check_plan_applies(model, plan)
+    # the units the workers will install, listed on the meta model (nothing installed): module patterns that match
+    # nothing, sublayers a family lacks and layer-count mismatches are found here
+    model_units(model, plan)
     return plan, memory_plan
 
 

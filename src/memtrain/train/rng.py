@@ -33,7 +33,7 @@ from torch import nn
 
 from memtrain.errors import UserError
 from memtrain.model.build import decoder_layers
-from memtrain.recompute.hooks import find_sublayer
+from memtrain.recompute.units import find_sublayer
 
 PROB_KEYS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")  # config keys: attention probs
 PROB_ATTRS = ("attention_dropout", "attn_dropout", "dropout")  # the sublayer's own name for it (OPT: dropout)

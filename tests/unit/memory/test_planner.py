@@ -259,6 +259,56 @@ def test_predict_run_matches_the_allocator(policy, modules):
     assert pred.activation_peak == pytest.approx(measured, rel=0.10), (policy, modules, pred.phase)
 
 
+def _hooked(model) -> dict:
+    """The modules `apply_plan` actually hooked, read off the model: name -> 'layer' (transformers' per-layer
+    checkpoint switched on) or 'forward' (a checkpointed forward)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return {n: "layer" if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing else "forward"
+            for n, m in model.named_modules()
+            if "_ac_checkpoint" in vars(m) or (isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing)}
+
+
+@pytest.mark.parametrize("modules", [
+    ("model.layers.0", "model.layers.0.mlp", "model.layers.*.mlp", "model.layers.1.mlp.down_proj"),
+    ("model.layers.*.self_attn", "model.layers.2", "model.layers.3.self_attn.q_proj", "model.layers.3.mlp"),
+    ("model.*", "model.layers.*.mlp"),  # model.layers (the list) first: every match inside it is skipped
+])
+def test_predicted_units_are_the_installed_hooks(modules):
+    """Overlapping module patterns: the units the predictor measures (on a 1-layer fake model's paths) are the
+    modules whose hooks apply_plan registers on the real 4-layer model, read off that model."""
+    import warnings
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from memtrain.memory.predict import plan_choices, predicted_paths
+    from memtrain.memory.profile import MODULES
+    from memtrain.recompute.policy import ACPlan
+    from memtrain.recompute.units import recompute_units
+
+    recipe = load_recipe(None, ["train.micro_batch_size=1"])
+    config, target, model, _ = _real_model(recipe, 4, batch=1, seq=16)
+    plan = ACPlan("modules", ("keep",) * 4, "torch", modules=modules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the overlaps, said once per skipped match
+        apply_plan(model, plan)
+    hooked = _hooked(model)
+    assert hooked  # something was installed
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model1 = fake_model(config, 1, target)
+        units, _ = recompute_units(plan, predicted_paths(model1, 4))
+        choices, notes = plan_choices(plan, model1, 4)
+    assert {u.name for u in units} == set(hooked), modules
+    # what the per-layer choices stand for, back as module paths
+    layers = set()
+    for i, choice in enumerate(choices):
+        at = f"model.layers.{i}"
+        rels = choice.mode[len(MODULES):].split("|") if choice.mode.startswith(MODULES) else \
+            {"keep": [], "full": [""], "attn": ["self_attn"], "mlp": ["mlp"]}[choice.mode]
+        layers |= {at + (f".{rel}" if rel else "") for rel in rels}
+    assert layers == {n for n in hooked if n.startswith("model.layers.")}, (modules, choices)
+    outside = sorted(n for n in hooked if not n.startswith("model.layers."))
+    assert bool(outside) == any("not modelled" in note for note in notes), notes
+
+
 def test_predict_run_says_what_it_cannot_model():
     from memtrain.recompute.policy import ACPlan
 
