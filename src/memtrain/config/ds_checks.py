@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.utils.cpp_extension import _get_build_directory
 
 from memtrain.config.ds_config import get, offload_device, unfillable_auto
 from memtrain.errors import NodeError, UserError
@@ -139,6 +138,8 @@ def check_nvme(cfg: dict, source: str) -> None:
 # --------------------------------------------------------------------------- DeepSpeed op builds
 
 def _extensions_dir() -> Path:
+    from torch.utils.cpp_extension import _get_build_directory  # noqa: PLC0415 cpp_extension: a second to import, only for op builds
+
     return Path(_get_build_directory("x", verbose=False)).parent
 
 

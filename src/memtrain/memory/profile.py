@@ -23,7 +23,6 @@ from memtrain.recompute.units import find_sublayer
 from memtrain.memory import tensor_parallel, ulysses
 from memtrain.recompute.meter import ActivationMeter, StepTracker
 from memtrain.memory.target import Target
-from memtrain.memory.flops import flop_counter
 from memtrain.model.attention import plain
 from memtrain.model.build import decoder_layers
 from memtrain.model.freeze import freeze
@@ -147,6 +146,8 @@ def mode_plan(model, modes) -> ACPlan:
 def _run(model, modes, target: Target) -> dict:
     """One forward+backward under a per-layer plan (mode tuple or ACPlan): the live-bytes curve with
     per-layer marks."""
+    from memtrain.memory.flops import flop_counter  # noqa: PLC0415 flops registers its formulas at import (transformers, torch._dynamo: seconds)
+
     _, layers = decoder_layers(model)
     apply_plan(model, mode_plan(model, modes))
     counter = flop_counter()

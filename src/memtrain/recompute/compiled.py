@@ -31,7 +31,6 @@ from typing import Callable, Optional
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from torch._dynamo.utils import compilation_time_metrics, counters, get_compilation_metrics
 
 from memtrain.recompute.policy import draws_random, op_rules
 
@@ -131,6 +130,8 @@ def _quiet_trace_warnings() -> None:
 # --------------------------------------------------------------------------- compiles, counted
 
 def _metrics() -> list:
+    from torch._dynamo.utils import get_compilation_metrics  # noqa: PLC0415 torch._dynamo: seconds to import; only a compiled run counts its compiles
+
     return get_compilation_metrics()
 
 
@@ -139,6 +140,8 @@ _KINDS = {"_forward": "a decoder layer", "_recompute": "a recomputed decoder lay
 
 
 def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters  # noqa: PLC0415 torch._dynamo: seconds to import; only a compiled run counts its compiles
+
     return sum(counters["graph_break"].values())
 
 
@@ -176,6 +179,8 @@ class CompileWatch:
 def compile_seconds() -> float:
     """Seconds this process spent compiling, forward and backward (dynamo's own timers; a GPU kernel's autotuning at
     its first run is not in them)."""
+    from torch._dynamo.utils import compilation_time_metrics  # noqa: PLC0415 torch._dynamo: seconds to import; only a compiled run counts its compiles
+
     return sum(sum(compilation_time_metrics.get(name, ())) for name in ("_compile.compile_inner",
                                                                          "backward._backward_impl"))
 

@@ -34,8 +34,6 @@ from memtrain.config.ds_config import load_ds_config, zero_stage
 from memtrain.config.ds_validate import check_tensor_parallel
 from memtrain.config.recipe import ACSection, load_recipe
 from memtrain.tools.plan_calibrate import run_calibrate
-from memtrain.tools.plan_search import run_search
-from memtrain.tools.plan_verify import check_verify_args, verify_cli
 
 POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
              "full+offload": "full + cpu_checkpointing"}  # a LayerChoice as printed -> the policy it is
@@ -264,6 +262,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         run_calibrate(args)
         return
     if args.search:
+        from memtrain.tools.plan_search import run_search  # noqa: PLC0415 --search only: the search loads memory.flops (transformers, torch._dynamo: seconds)
+        from memtrain.tools.plan_verify import check_verify_args, verify_cli  # noqa: PLC0415 --search only: the search loads memory.flops (transformers, torch._dynamo: seconds)
+
         check_verify_args(args, recipe.train.metric_warmup_steps)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the result
             import deepspeed  # noqa: F401, PLC0415 deepspeed: heavy, only --search needs it (its import-time log lines)
