@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP
+from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP, custom_plan
 from memtrain.recompute.hooks import apply_plan, find_sublayer, remove_plan
 from memtrain.memory import tensor_parallel, ulysses
 from memtrain.recompute.meter import ActivationMeter, StepTracker
@@ -141,7 +141,7 @@ def mode_plan(model, modes) -> ACPlan:
             modules += [f"{path}.{i}.{rel}" for rel in mode[len(MODULES):].split("|")]
         else:
             layers.append(mode)
-    return ACPlan(policy="profile", layers=tuple(layers), backend="torch", modules=tuple(modules))
+    return custom_plan(layers, "torch", modules, policy="profile")
 
 
 def _run(model, modes, target: Target) -> dict:
