@@ -50,7 +50,8 @@ def _json_section(cfg: dict) -> dict:
     return out
 
 
-def _base(policy: str) -> str:
+def policy_base(policy: str) -> str:
+    """The policy without its layer selector: 'op' of 'op+first:4'."""
     return policy.strip().partition("+")[0]
 
 
@@ -77,7 +78,7 @@ class RecomputeSpec:
 
     @property
     def op_level(self) -> bool:
-        return _base(self.policy) in _OP_BASES
+        return policy_base(self.policy) in _OP_BASES
 
     @property
     def deepspeed_offloads(self) -> bool:
@@ -128,7 +129,7 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
     if offload and offload_impl == "deepspeed" and backend != "deepspeed":
         raise UserError("activation_checkpointing.cpu_checkpointing_impl: 'deepspeed' offloads inside DeepSpeed's "
                         "checkpoint only; set activation_checkpointing.backend: deepspeed (or auto)")
-    op_level = _base(policy) in _OP_BASES
+    op_level = policy_base(policy) in _OP_BASES
     if op_level and backend == "deepspeed":
         why = ("activation_checkpointing.backend is 'deepspeed'" if requested == "deepspeed" else
                "the DeepSpeed JSON asks for partition_activations/cpu_checkpointing, which selects DeepSpeed's "
@@ -150,9 +151,9 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
             warnings.append(f"torch's checkpoint with {why}: each step leaves DeepSpeed's FWD_MODULE_STACK 2 entries "
                             "per recomputed layer longer; use backend deepspeed or let memtrain make the layers "
                             "ZeRO-3 leaf modules")
-    if section.modules and _base(policy) != "modules":
+    if section.modules and policy_base(policy) != "modules":
         warnings.append(f"activation_checkpointing.modules is ignored by policy '{policy}' (used by 'modules')")
-    if section.segment_len and _base(policy) != "sqrt":
+    if section.segment_len and policy_base(policy) != "sqrt":
         warnings.append(f"activation_checkpointing.segment_len is ignored by policy '{policy}' (used by 'sqrt')")
     ignored = tuple(key for key in ("profile", "synchronize_checkpoint_boundary") if ds_ac.get(key)) \
         if backend == "torch" else ()
@@ -172,7 +173,7 @@ def resolve_with_layout(raw: dict, section: ACSection, device: str, layer_class:
     preflight, make plan, --max-seq and the OOM advice). The layout comes first: where ZeRO-3's hooks stay inside a
     recomputed layer, backend auto takes DeepSpeed's reentrant checkpoint. `raw` is the JSON, `layer_class` the
     model's decoder-layer class, `largest_param` its largest parameter's elements, over `data_parallel_size` ranks."""
-    zero3 = zero3_layout(raw, layer_class, largest_param, data_parallel_size, segments=_base(section.policy) == "sqrt")
+    zero3 = zero3_layout(raw, layer_class, largest_param, data_parallel_size, segments=policy_base(section.policy) == "sqrt")
     spec = resolve_recompute(raw, section, device, json_tp_size(raw),
                              zero3_hooks_inside=hooks_inside_layers(raw, zero3, layer_class))
     return spec, zero3

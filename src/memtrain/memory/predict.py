@@ -7,11 +7,11 @@ patterns, memtrain's offload, ZeRO-1/2 reduce buckets (backward only), and the a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP
+from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP, LayerChoice, as_choice
 from memtrain.recompute.units import ModelPaths, model_paths, recompute_units
 from memtrain.memory import tensor_parallel
 from memtrain.memory.target import Target
@@ -30,23 +30,6 @@ from memtrain.recompute.offload import PREFETCH_DEPTH
 # headroom for it in the budget itself.
 ALLOCATOR_MARGIN = 0.0  # times the step's largest single allocation (measured, see above)
 ALLOCATOR_MARGIN_BYTES = 0  # fixed bytes on top (measured, see above)
-
-
-class LayerChoice(NamedTuple):
-    """What one layer does in a prediction: a mode the profile measured (keep, full, attn, mlp, op, or a
-    `modules:` set) and whether its checkpointed input goes to the host. Printed as the mode, '+offload' added
-    when offloaded ('full+offload'): the plan line, tables and JSON show it so."""
-
-    mode: str
-    offload: bool = False
-
-    def __str__(self) -> str:
-        return self.mode + ("+offload" if self.offload else "")
-
-
-def as_choice(choice) -> LayerChoice:
-    """A LayerChoice as it is, a plain mode string as that mode kept on the device."""
-    return choice if isinstance(choice, LayerChoice) else LayerChoice(choice)
 
 
 def allocator_margin(profile: ActivationProfile) -> int:

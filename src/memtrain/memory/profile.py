@@ -17,7 +17,7 @@ from collections import Counter
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP
+from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP, custom_plan
 from memtrain.recompute.hooks import apply_plan, remove_plan
 from memtrain.recompute.units import find_sublayer
 from memtrain.memory import tensor_parallel, ulysses
@@ -140,7 +140,7 @@ def mode_plan(model, modes) -> ACPlan:
             modules += [f"{path}.{i}.{rel}" for rel in mode[len(MODULES):].split("|")]
         else:
             layers.append(mode)
-    return ACPlan(policy="profile", layers=tuple(layers), backend="torch", modules=tuple(modules))
+    return custom_plan(layers, "torch", modules, policy="profile")
 
 
 def _run(model, modes, target: Target) -> dict:

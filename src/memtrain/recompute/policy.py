@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
-from memtrain.config.recipe import DEFAULT_OP_SAVE, ACSection
-from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
+from memtrain.config.recipe import ACSection
+from memtrain.config.recompute_spec import RecomputeSpec, policy_base, resolve_recompute
 from memtrain.errors import UserError
 from memtrain.recompute.offload import PREFETCH_DEPTH, offload_flags, offload_units
 from memtrain.recompute.partition import partition_line
@@ -33,9 +33,27 @@ OP_GROUPS = {
 }
 
 
+class LayerChoice(NamedTuple):
+    """What one layer does: a mode (keep, full, attn, mlp, op; in a prediction also a measured `modules:` set) and
+    whether its checkpointed input goes to the host. Printed as the mode, '+offload' added when offloaded
+    ('full+offload'): the plan line, tables and JSON show it so."""
+
+    mode: str
+    offload: bool = False
+
+    def __str__(self) -> str:
+        return self.mode + ("+offload" if self.offload else "")
+
+
+def as_choice(choice) -> LayerChoice:
+    """A LayerChoice as it is, a plain mode string as that mode kept on the device."""
+    return choice if isinstance(choice, LayerChoice) else LayerChoice(choice)
+
+
 @dataclass(frozen=True)
 class ACPlan:
-    """What each decoder layer does in the backward, and how.
+    """What each decoder layer does in the backward, and how: the run's `RecomputeSpec` (backend, what the JSON's
+    keys do, who offloads, the recipe's section) and one `LayerChoice` per layer.
 
     `layers[i]` is one of LAYER_MODES. `segments` are half-open layer ranges `(start, stop)` of
     `full` layers recomputed as one unit (only the segment's input is kept). `modules` are
@@ -43,22 +61,72 @@ class ACPlan:
     save list of mode `op` (see `op_context_fn`).
     """
 
-    policy: str
-    layers: tuple[str, ...]
-    backend: str  # "torch" | "deepspeed"
+    spec: RecomputeSpec
+    choices: tuple[LayerChoice, ...]
     segments: tuple[tuple[int, int], ...] = ()
-    modules: tuple[str, ...] = ()
-    op_save: tuple[str, ...] = DEFAULT_OP_SAVE
-    cpu_checkpointing: bool = False
-    partition_activations: bool = False
-    warnings: tuple[str, ...] = field(default_factory=tuple)
-    notes: tuple[str, ...] = ()  # one line per JSON key that was asked for but has nothing to do here
-    offload: tuple[bool, ...] = ()  # per layer: the checkpoint call it makes sends its input to host
-    offload_impl: str = "memtrain"  # who offloads: memtrain.recompute.offload, or DeepSpeed's own CPU_CHECKPOINT
-    offload_skip_last: int = 1  # policy 'modules': the last N matched modules keep their input on the device
-    tp_size: int = 1  # the tensor-parallel group partition_activations shards across (memtrain.train.parallel)
     checkpoint_input_bytes: Optional[int] = None  # one forward's checkpointed inputs per rank, unpartitioned
-    deepspeed_reentrant: bool = True  # backend deepspeed: checkpoint (reentrant) or non_reentrant_checkpoint
+
+    @property
+    def policy(self) -> str:
+        return self.spec.policy
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return tuple(c.mode for c in self.choices)
+
+    @property
+    def offload(self) -> tuple[bool, ...]:
+        """Per layer: the checkpoint call it makes sends its input to host."""
+        return tuple(c.offload for c in self.choices)
+
+    @property
+    def backend(self) -> str:
+        return self.spec.backend  # "torch" | "deepspeed"
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(self.spec.section.modules) if policy_base(self.policy) == "modules" else ()
+
+    @property
+    def op_save(self) -> tuple[str, ...]:
+        return tuple(self.spec.section.op_save)
+
+    @property
+    def cpu_checkpointing(self) -> bool:
+        return self.spec.cpu_checkpointing
+
+    @property
+    def partition_activations(self) -> bool:
+        return self.spec.partition_activations
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return self.spec.warnings
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """One line per JSON key that was asked for but has nothing to do here."""
+        return self.spec.notes
+
+    @property
+    def offload_impl(self) -> str:
+        """Who offloads: memtrain.recompute.offload, or DeepSpeed's own CPU_CHECKPOINT."""
+        return self.spec.offload_impl
+
+    @property
+    def offload_skip_last(self) -> int:
+        """Policy 'modules': the last N matched modules keep their input on the device."""
+        return self.spec.section.offload_skip_last
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel group partition_activations shards across (memtrain.train.parallel)."""
+        return self.spec.tp_size
+
+    @property
+    def deepspeed_reentrant(self) -> bool:
+        """Backend deepspeed: checkpoint (reentrant) or non_reentrant_checkpoint."""
+        return self.spec.section.deepspeed_reentrant
 
     @property
     def memtrain_offload(self) -> bool:
@@ -164,7 +232,14 @@ class ACPlan:
         return len(self.offload_units) + len(self.modules) * len(self.layers)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The plan as config.json and summary.json show it."""
+        return {"policy": self.policy, "layers": self.layers, "backend": self.backend, "segments": self.segments,
+                "modules": self.modules, "op_save": self.op_save, "cpu_checkpointing": self.cpu_checkpointing,
+                "partition_activations": self.partition_activations, "warnings": self.warnings, "notes": self.notes,
+                "offload": self.offload, "offload_impl": self.offload_impl,
+                "offload_skip_last": self.offload_skip_last, "tp_size": self.tp_size,
+                "checkpoint_input_bytes": self.checkpoint_input_bytes,
+                "deepspeed_reentrant": self.deepspeed_reentrant}
 
     def layer_marks(self) -> str:
         starts = {s for s, _ in self.segments}
@@ -265,9 +340,8 @@ def build_plan(spec: RecomputeSpec, num_layers: int, layers: Optional[tuple[str,
     segments, modules and op save list. Policy 'auto' passes the planner's per-layer `layers` and `offload`."""
     policy, section = spec.policy, spec.section
     layers, is_sqrt = (tuple(layers), False) if layers is not None else _parse(policy, num_layers)
-    base = policy.strip().partition("+")[0]
-    modules = tuple(section.modules) if base == "modules" else ()
-    if base == "modules":
+    modules = tuple(section.modules) if policy_base(policy) == "modules" else ()
+    if policy_base(policy) == "modules":
         if not modules:
             raise UserError("activation_checkpointing.modules: policy 'modules' needs a list of module-path "
                             "patterns, e.g. [model.layers.*.mlp]")
@@ -277,26 +351,19 @@ def build_plan(spec: RecomputeSpec, num_layers: int, layers: Optional[tuple[str,
     if OP in layers:
         op_rules(op_save)  # validate early: a bad entry fails before any distributed work
     segments = sqrt_segments(layers, section.segment_len) if is_sqrt else ()
-    skip_last = section.offload_skip_last
-    return ACPlan(
-        policy=policy,
-        layers=layers,
-        backend=spec.backend,
-        segments=segments,
-        modules=modules,
-        op_save=op_save,
-        cpu_checkpointing=spec.cpu_checkpointing,
-        partition_activations=spec.partition_activations,
-        warnings=spec.warnings,
-        notes=spec.notes,
-        offload=tuple(offload) if offload is not None and spec.cpu_checkpointing else
-        offload_flags([m != KEEP for m in layers], spec.cpu_checkpointing, skip_last,
-                      every=spec.offload_impl == "deepspeed", segments=segments),
-        offload_impl=spec.offload_impl,
-        offload_skip_last=skip_last,
-        tp_size=spec.tp_size,
-        deepspeed_reentrant=section.deepspeed_reentrant,
-    )
+    if offload is None or not spec.cpu_checkpointing:
+        offload = offload_flags([m != KEEP for m in layers], spec.cpu_checkpointing, section.offload_skip_last,
+                                every=spec.offload_impl == "deepspeed", segments=segments)
+    return ACPlan(spec, tuple(LayerChoice(m, bool(o)) for m, o in zip(layers, offload)), segments)
+
+
+def custom_plan(layers, backend: str = "torch", modules=(), segments=(), policy: str = "custom") -> ACPlan:
+    """A plan of given per-layer modes (tests, the activation profile): the recipe's defaults with `modules` (policy
+    'modules' when there are any) on `backend`, nothing offloaded or partitioned."""
+    policy = "modules" if modules else policy
+    section = ACSection(policy=policy, modules=list(modules))
+    spec = RecomputeSpec(policy=policy, requested_backend=backend, backend=backend, device="cpu", section=section)
+    return ACPlan(spec, tuple(LayerChoice(m) for m in layers), tuple(segments))
 
 
 def plan_for(policy: str, num_layers: int, section: Optional[ACSection] = None, ds_config: Optional[dict] = None,

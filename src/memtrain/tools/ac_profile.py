@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, plan_for
+from memtrain.config.recipe import DEFAULT_OP_SAVE
+from memtrain.recompute.policy import OP, ACPlan, plan_for
 from memtrain.recompute.hooks import apply_plan, observe_recompute
 from memtrain.memory.flops import flop_counter
 from memtrain.errors import UserError, cli_entry

@@ -240,12 +240,12 @@ def _real_model(recipe, layers: int, batch: int = 4, seq: int = 128):
 def test_predict_run_matches_the_allocator(policy, modules):
     """predict_run's activation peak for a policy against a real fp32 CPU step of a 4-layer Llama
     with the plan applied, measured by the CPU allocator's own events (10%)."""
-    from memtrain.recompute.policy import ACPlan
+    from memtrain.recompute.policy import custom_plan
 
     recipe = load_recipe(None, ["train.micro_batch_size=4"])
     config, target, model, ids = _real_model(recipe, 4)
     if policy == "modules":
-        plan = ACPlan("modules", ("keep",) * 4, "torch", modules=modules)
+        plan = custom_plan(("keep",) * 4, modules=modules)
     else:
         plan = plan_for(policy, 4, backend="torch")
     assert bool(plan.segments) == (policy == "sqrt")
@@ -281,12 +281,12 @@ def test_predicted_units_are_the_installed_hooks(modules):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from memtrain.memory.predict import plan_choices, predicted_paths
     from memtrain.memory.profile import MODULES
-    from memtrain.recompute.policy import ACPlan
+    from memtrain.recompute.policy import custom_plan
     from memtrain.recompute.units import recompute_units
 
     recipe = load_recipe(None, ["train.micro_batch_size=1"])
     config, target, model, _ = _real_model(recipe, 4, batch=1, seq=16)
-    plan = ACPlan("modules", ("keep",) * 4, "torch", modules=modules)
+    plan = custom_plan(("keep",) * 4, modules=modules)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the overlaps, said once per skipped match
         apply_plan(model, plan)
@@ -310,12 +310,12 @@ def test_predicted_units_are_the_installed_hooks(modules):
 
 
 def test_predict_run_says_what_it_cannot_model():
-    from memtrain.recompute.policy import ACPlan
+    from memtrain.recompute.policy import custom_plan
 
     recipe = load_recipe(None, ["train.micro_batch_size=1"])
     config = model_and_config(recipe)
     target = Target("cpu", "float32", 1, 128, 1)
-    plan = ACPlan("modules", ("keep",) * 4, "torch", modules=("lm_head", "model.layers.*.mlp"))
+    plan = custom_plan(("keep",) * 4, modules=("lm_head", "model.layers.*.mlp"))
     pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
     assert len(pred.notes) == 1 and "lm_head" in pred.notes[0] and "not modelled" in pred.notes[0]
     mlp = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan_for("selective:mlp", 4, backend="torch"),

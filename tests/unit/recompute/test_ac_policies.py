@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from memtrain.recompute.policy import ACPlan, plan_for, parse_policy, sqrt_segments
+from memtrain.recompute.policy import custom_plan, plan_for, parse_policy, sqrt_segments
 from memtrain.recompute.hooks import apply_plan
 from memtrain.tools.ac_profile import main as ac_profile_main
 from memtrain.tools.ac_profile import max_rel_err, measure_step
@@ -143,8 +143,8 @@ def test_policy_strings_and_compositions():
         with pytest.raises(UserError, match="activation_checkpointing.policy"):
             parse_policy(bad, 4)
     with pytest.raises(ValueError, match="segments"):
-        ACPlan(policy="custom", layers=("full", "keep", "full"), backend="torch", segments=((0, 2),))
-    mixed = ACPlan(policy="custom", layers=("full", "full", "attn", "op"), backend="torch", segments=((0, 2),))
+        custom_plan(("full", "keep", "full"), segments=((0, 2),))
+    mixed = custom_plan(("full", "full", "attn", "op"), segments=((0, 2),))
     assert mixed.layer_marks() == "[R R] A O"
 
 
@@ -196,7 +196,7 @@ def test_stateful_modules_warn_and_overlapping_patterns_are_skipped(ids):
     toy.layers = nn.ModuleList([Layer(), Layer()])
     toy.train()
     with pytest.warns(RuntimeWarning, match=r"layers\.0\.block\.norm \(BatchNorm1d\) updates running statistics"):
-        apply_plan(toy, ACPlan(policy="first:1", layers=("full", "keep"), backend="torch"))
+        apply_plan(toy, custom_plan(("full", "keep"), policy="first:1"))
     x = torch.randn(4, 8, requires_grad=True)
     for layer in toy.layers:
         x = layer(x)
