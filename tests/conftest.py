@@ -243,6 +243,11 @@ def allocator_peak(model, ids, **inputs) -> int:
     finally:
         for h in hooks:
             h.remove()
+    return profiled_peak_rise(prof)
+
+
+def profiled_peak_rise(prof) -> int:
+    """The highest net bytes the CPU allocator held above a torch.profiler window's start (its memory events)."""
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     live = peak = 0

@@ -25,6 +25,10 @@ that hold them (DeepSpeed 0.19.8's attribute names), not from memtrain:
               ZeRO-1/2's bit16 copy-back buffer and host gradient staging buffer; with offload_param
               the parameter partitions
   other       every other CPU tensor storage created since before the engine (should be ~0)
+  peak        the second forward and backward's peak of CPU tensor bytes: the bytes alive before it (every CPU
+              storage created since before the engine) plus the highest rise of the CPU allocator's own
+              allocations and frees in it (torch.profiler's memory events: c10's CPU allocator reports each),
+              the CPU's stand-in for CUDA's max_memory_allocated; beside memtrain.memory.predict's peak
 Measured after the second backward (before its step): optimizer states exist, gradients are
 complete, no activation is alive. On CPU "host" and "device" are one memory: which side a term
 is on is read from DeepSpeed's layout (the offloaded optimizer's tensors), the bytes are real.
@@ -94,10 +98,14 @@ def main() -> None:
 
     from memtrain.config.ds_config import load_ds_config, resolve_ds_config
     from memtrain.config.recipe import load_recipe
-    from memtrain.memory import estimate as mm
+    from memtrain.memory.predict import predict
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.states import model_states
+    from memtrain.memory.target import Target, compute_dtype, make_target, model_and_config
     from memtrain.model.build import build_model
     from memtrain.model.freeze import freeze
     from memtrain.train.trainer import _skip_shm_comm_op
+    from conftest import profiled_peak_rise  # tests/ is this script's directory
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]  # the launcher adds --local_rank
     out_dir, cases = Path(args[0]), args[1:]
@@ -108,7 +116,7 @@ def main() -> None:
     recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
     frozen_recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1",
                                        "train.frozen=[model.embed_tokens.*,*.self_attn.*]"])
-    config = mm.model_and_config(recipe)
+    config = model_and_config(recipe)
     torch.manual_seed(rank)
     ids = torch.randint(0, config.vocab_size, (1, 32))
     root = Path(__file__).resolve().parents[1]
@@ -170,11 +178,19 @@ def main() -> None:
             # one optimizer step's collectives, after the first forward (DeepSpeed traces ZeRO-3's order then):
             # the first step's update, then the second forward and backward
             COLLECTIVES["on"] = step == 1
+            if step == 1:  # the second forward and backward's peak of CPU tensor bytes
+                alive = sum(v for k, v in all_cpu_storages().items() if k not in base)
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+                prof.start()
             loss = engine(input_ids=ids, labels=ids).loss
             seen["backward"] = True
             engine.backward(loss)
             seen["backward"] = False
             del loss
+            if step == 1:
+                prof.stop()
+                seen["peak"] = alive + profiled_peak_rise(prof)
+                del prof
             if step == 0:
                 COLLECTIVES.update(on=True, gather=0, reduce=0, other=0)
                 engine.step()
@@ -230,15 +246,17 @@ def main() -> None:
         other = sum(v for k, v in now.items() if k not in base and k not in counted)
         measured = {name: sum(t.values()) for name, t in terms.items()}
         measured.update(other=other, gathered_in_forward=seen.get("gathered", 0),
-                        reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"])
-        target = mm.Target("cpu", mm.compute_dtype(cfg, "cpu"), 1, 32, world)
+                        reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"], peak=seen["peak"])
+        target = Target("cpu", compute_dtype(cfg, "cpu"), 1, 32, world)
         if "frozen" in offload:  # what train.frozen leaves to train, as make plan counts it (on the meta model)
-            made = mm.make_target(frozen_recipe, cfg, world, "cpu")
+            made = make_target(frozen_recipe, cfg, world, "cpu")
             target = replace(target, trainable_params=made.trainable_params, all_params=made.all_params)
-        states = mm.model_states(mm.profile_activations(config, target, ("keep",)), cfg, target)
+        profile = profile_activations(config, target, ("keep",))
+        states = model_states(profile, cfg, target)
+        prediction = predict(profile, states, ("keep",) * config.num_hidden_layers)
         results[case] = {"measured": measured, "predicted": {k: getattr(states, k) for k in (
             "params", "grads", "optimizer", "buckets", "persistent", "gathered", "update", "host",
-            "reduce_buckets", "reduce_scratch")},
+            "reduce_buckets", "reduce_scratch")} | peak_terms(prediction),
             "collectives": {"measured": counted_step, "predicted": predicted_collectives(config, cfg, target, stage)}}
         del engine, model, opt, inner, params, opt_params, terms, counted
         gatherable = None
@@ -246,16 +264,23 @@ def main() -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def peak_terms(prediction) -> dict:
+    """memtrain.memory.predict's forward/backward peak by term; on CPU the host's part is the same memory."""
+    return {"peak": prediction.peak, "activation_peak": prediction.activation_peak,
+            "reduce_buffers_at_peak": prediction.reduce_buffers, "host_activations": prediction.host_activations,
+            "states_total": prediction.model_states.total, "peak_phase": prediction.phase}
+
+
 def predicted_collectives(config, cfg: dict, target, stage: int) -> dict:
     """Tensor bytes of one optimizer step (gradient accumulation 1) by memtrain.memory.comm_volume, from the
     memory model's parameter counts (memtrain.memory.score.model_shape, as the search scores them)."""
     from memtrain.config.zero3 import resident
-    from memtrain.memory import estimate as mm
+    from memtrain.memory.profile import profile_activations
     from memtrain.memory.comm_volume import Layout, zero_collectives
     from memtrain.memory.score import model_shape
     from memtrain.memory.states import keeps_gathered, persistent_elements, zero_config
 
-    profile = mm.profile_activations(config, target, ("keep",))
+    profile = profile_activations(config, target, ("keep",))
     zero = zero_config(cfg)
     layout = Layout(target.world_size, target.world_size)
     persistent = persistent_elements(profile, zero) if stage == 3 else 0

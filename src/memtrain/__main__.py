@@ -4,7 +4,10 @@
 the command itself parses its arguments with the same parser."""
 from __future__ import annotations
 
+import importlib
 import sys
+
+from memtrain.errors import cli_entry
 
 PROG = "python -m memtrain"
 
@@ -49,8 +52,6 @@ def usage() -> str:
 
 def load(target: str):
     """The function `module:function` names, its module imported now (and only then)."""
-    import importlib
-
     module, function = target.split(":")
     return getattr(importlib.import_module(module), function)
 
@@ -58,8 +59,6 @@ def load(target: str):
 def show_help(command: str, argv: list[str]) -> None:
     """`<command> ... --help`: the command's parser alone prints its help and exits; a `--help` that is another
     flag's value parses on, and the command runs as it would have."""
-    from memtrain.errors import cli_entry
-
     flags = load(COMMANDS[command][1])()
     flags.prog = f"{PROG} {command}"
     cli_entry(flags.parse_known_args)(argv)
@@ -77,7 +76,7 @@ def main(argv=None) -> None:
     if {"-h", "--help"} & set(rest):
         show_help(command, rest)
     if command == "train":  # a stop signal during start-up is recorded, not fatal (as in src/train.py)
-        from memtrain.train import signals
+        from memtrain.train import signals  # noqa: PLC0415 start-up shim: only `train` needs it (and psutil)
 
         signals.install()
     try:

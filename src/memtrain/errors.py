@@ -109,7 +109,7 @@ def name_cpu_accelerator() -> None:
     """Without CUDA, name DeepSpeed's accelerator: its auto-detection logs a warning on stderr at
     import, which would turn a one-line error into two lines. Imports torch: not for `--help`."""
     if "DS_ACCELERATOR" not in os.environ:
-        import torch
+        import torch  # noqa: PLC0415 torch: heavy, kept off --help
 
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"

@@ -83,7 +83,10 @@ def test_planner_divides_what_tp_shards(tp):
     sys.path.insert(0, str(ROOT / "tests"))
     import tp_worker  # its model and batch shape
 
-    from memtrain.memory.estimate import Target, model_states, predict, profile_activations
+    from memtrain.memory.predict import predict
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.states import model_states
+    from memtrain.memory.target import Target
 
     p = tp["partition"]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.utils.cpp_extension import _get_build_directory
 
 from memtrain.config.ds_config import get, offload_device, unfillable_auto
 from memtrain.errors import NodeError, UserError
@@ -43,10 +44,10 @@ def _adam_class(cfg: dict, params: dict):
     if params.get("torch_adam"):
         return torch.optim.AdamW
     if offload_device(cfg, "optimizer") != "none":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         return DeepSpeedCPUAdam
-    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.ops.adam import FusedAdam  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     return FusedAdam
 
@@ -73,11 +74,11 @@ def check_optimizer(cfg: dict, source: str) -> None:
     elif lname == "adagrad":
         candidates = [(torch.optim.Adagrad, kwargs)]
     elif lname == "lamb":
-        from deepspeed.ops.lamb import FusedLamb
+        from deepspeed.ops.lamb import FusedLamb  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         candidates = [(FusedLamb, kwargs)]
     elif lname == "lion":
-        from deepspeed.ops.lion import FusedLion
+        from deepspeed.ops.lion import FusedLion  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         candidates = [(FusedLion, kwargs)]
     elif isinstance(name, str) and isinstance(getattr(torch.optim, name, None), type):
@@ -104,7 +105,7 @@ def check_optimizer(cfg: dict, source: str) -> None:
 
 def check_dtype_support(cfg: dict, source: str) -> None:
     """fp16/bf16 on an accelerator that lacks it: DeepSpeed raises on every rank at initialize."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     acc = get_accelerator()
     for key, supported in (("fp16", acc.is_fp16_supported), ("bf16", acc.is_bf16_supported)):
@@ -128,7 +129,7 @@ def check_nvme(cfg: dict, source: str) -> None:
             raise NodeError(f"{source}: {key}.nvme_path: {p} is not an existing directory")
         if not os.access(p, os.W_OK | os.X_OK):
             raise NodeError(f"{source}: {key}.nvme_path: {p} is not writable")
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         if not AsyncIOBuilder().is_compatible(verbose=False):
             raise NodeError(f"{source}: {key}.device: nvme needs DeepSpeed's async_io op, which cannot be built "
@@ -138,8 +139,6 @@ def check_nvme(cfg: dict, source: str) -> None:
 # --------------------------------------------------------------------------- DeepSpeed op builds
 
 def _extensions_dir() -> Path:
-    from torch.utils.cpp_extension import _get_build_directory
-
     return Path(_get_build_directory("x", verbose=False)).parent
 
 
@@ -152,7 +151,7 @@ def op_builds(cfg: dict) -> list[str]:
     elif name in ("adam", "adamw") and not get(cfg, "optimizer.params.torch_adam"):
         ops.append("fused_adam")
     try:
-        from deepspeed.git_version_info import installed_ops
+        from deepspeed.git_version_info import installed_ops  # noqa: PLC0415 inside its ImportError guard: a DeepSpeed build may lack it
     except ImportError:
         installed_ops = {}
     root = _extensions_dir()

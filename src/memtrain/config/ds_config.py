@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.errors import UserError, not_utf8
 from memtrain.config.recipe import Recipe
+from memtrain.config.saved_run import CSV_DIR, TENSORBOARD_DIR
 
 AUTO = "auto"
 
@@ -40,7 +41,7 @@ def load_ds_config(path: str | Path) -> dict:
 
 
 def bf16_supported() -> bool:
-    import torch  # here, not at the top: the tools' --help imports this module and must not wait for torch
+    import torch  # noqa: PLC0415 here, not at the top: the tools' --help imports this module and must not wait for torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
@@ -84,7 +85,7 @@ def deepspeed_top_level_keys() -> frozenset:
     """The top-level keys DeepSpeed's DeepSpeedConfig reads, recorded by letting it parse an
     (almost) empty config through a dict that notes every key asked for (~20 ms). DeepSpeed has
     no list of its own; recording it keeps this in step with the installed version."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig  # noqa: PLC0415 deepspeed: heavy, kept off --help
 
     seen: set = set()
 
@@ -132,7 +133,7 @@ def tp_size(ds_config: dict) -> int:
 
 def ac_defaults() -> dict:
     """DeepSpeed's activation_checkpointing keys and their defaults (its own ACT_CHKPT_DEFAULT)."""
-    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT  # noqa: PLC0415 deepspeed: heavy, kept off --help
 
     return dict(ACT_CHKPT_DEFAULT)
 
@@ -306,7 +307,7 @@ def resolve_ds_config(raw: dict, recipe: Recipe, world_size: int, run_dir: Path,
     cfg.setdefault("steps_per_print", 10**9)  # memtrain logs itself; keep DeepSpeed's stdout quiet
     if default_tensorboard:  # a run's metrics go to run_dir/tb (the summary points there) unless the
         cfg.setdefault("tensorboard", {"enabled": True})  # JSON turns it off; HF-style JSONs have no section
-    for monitor, sub in (("tensorboard", "tb"), ("csv_monitor", "csv")):
+    for monitor, sub in (("tensorboard", TENSORBOARD_DIR), ("csv_monitor", CSV_DIR)):
         if isinstance(cfg.get(monitor), dict):
             cfg[monitor]["output_path"] = str(run_dir)
             cfg[monitor]["job_name"] = sub
@@ -326,7 +327,7 @@ def _adam_implementation(cfg: dict, raw: dict) -> None:
     if "torch_adam" not in params and offload_device(cfg, "optimizer") == "none":
         params["torch_adam"] = True
     written = get(raw, "optimizer.params.torch_adam")
-    import torch
+    import torch  # noqa: PLC0415 torch: heavy, kept off --help
 
     if params.get("torch_adam") is True and written in (AUTO, None) and "foreach" not in params \
             and torch.cuda.is_available():

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
+import torch
 
 from memtrain.config import ds_checks
 from memtrain.config.ds_config import AUTO, AUTO_KEYS, ac_defaults, deepspeed_top_level_keys, get, has, \
@@ -44,7 +45,7 @@ def schedule_kwargs(recipe) -> dict:
 @contextmanager
 def silenced():
     """No DeepSpeed log while validation constructs DeepSpeed's objects on dummies."""
-    from deepspeed.utils import logger
+    from deepspeed.utils import logger  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     was = logger.disabled
     logger.disabled = True
@@ -176,9 +177,8 @@ def recipe_overrides(cfg: dict, source: str, recipe, world_size: int = 1) -> lis
 
 def _optimizer_and_scheduler(raw: dict, resolved: dict, source: str, recipe=None) -> None:
     """The names DeepSpeed resolves, and the scheduler built as the engine will build it."""
-    import torch
-    from deepspeed.runtime import lr_schedules
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime import lr_schedules  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     name = resolved.get("optimizer", {}).get("type")
     if "optimizer" in resolved and not (isinstance(name, str) and (
@@ -216,9 +216,9 @@ def _optimizer_and_scheduler(raw: dict, resolved: dict, source: str, recipe=None
 
 def deepspeed_accepts(raw: dict, resolved: dict, source: str, recipe=None) -> None:
     """DeepSpeed's own DeepSpeedConfig, as the engine will build it, wrapped to one line."""
-    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
+    from deepspeed.runtime.config import DeepSpeedConfig  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("tensorboard", TensorBoardConfig),
                            ("csv_monitor", CSVConfig), ("wandb", WandbConfig), ("comet", CometConfig)):
@@ -261,8 +261,7 @@ def check_tensor_parallel(ds_config: dict, source: str, config, world_size: int)
     if sub_size not in (1, max(size, 1)):  # DeepSpeed raises this at initialize, inside every worker
         raise UserError(f"{source}: tensor_parallel.tp.tp_size: {json.dumps(sub_size)} differs from "
                         f"tensor_parallel.autotp_size {size}; leave it out or make them equal")
-    from pydantic import ValidationError
-    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     try:
         TPTrainingConfig(**section)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
+import copy
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationError, field_validator, model_validator)
 
 from memtrain.errors import UserError, not_utf8
+from memtrain.units import GIB, parse_size
 
 DEFAULT_RECIPE_NAME = "tiny"
 
@@ -157,8 +159,9 @@ class DataSection(_Strict):
     max_bytes: Optional[PositiveInt] = 8_000_000
     """Read at most this many characters of text (keeps the default corpus small); null: every file whole."""
     cache_dir: str = ".cache/memtrain"
-    """Token stores (`store-<key>/`, keyed by files, tokenizer, text_key and max_bytes, not seq_len) and packed
-    chat rows are cached here (memtrain.model.token_store)."""
+    """Token stores (`store-<key>/`, keyed by files, tokenizer, text_key and max_bytes, not seq_len) and chat stores
+    (`chat-<key>/`, keyed by files, tokenizer, chat template and columns, not seq_len) are cached here
+    (memtrain.model.token_store, memtrain.model.chat_store)."""
     workers: Optional[PositiveInt] = None
     """Processes that tokenize a store's build. Default: the cores this process may run on."""
     eval_fraction: float = Field(0.0, ge=0, lt=1)
@@ -328,8 +331,6 @@ class ACSection(_Strict):
     def _size(cls, value):
         """A size string goes through the one size parser, as BUDGET= does; numbers are GiB."""
         if isinstance(value, str):
-            from memtrain.units import GIB, parse_size
-
             return parse_size(value, "activation_checkpointing.memory_budget") / GIB
         return value
 
@@ -461,8 +462,6 @@ def load_recipe(path: Optional[str] = None, overrides: Optional[list[str]] = Non
                 saved: Optional[tuple[str, dict]] = None) -> Recipe:
     """Load a recipe file (or `saved`: (its source, a recipe as a run saved it), or else the embedded default),
     apply overrides and validate."""
-    import copy
-
     if saved is not None and not path:
         source, data = saved[0], copy.deepcopy(saved[1])
     elif path:

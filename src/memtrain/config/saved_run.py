@@ -10,6 +10,9 @@ from typing import Any, Optional
 from memtrain.errors import UserError
 
 CONFIG_FILE = "config.json"  # in the run directory: every value a run segment used (memtrain.train.trainer)
+# where DeepSpeed's monitors write in the run directory (their job_name: memtrain.config.ds_config)
+TENSORBOARD_DIR = "tb"
+CSV_DIR = "csv"
 
 # Keys whose change alters what a model checkpoint holds (its parameters, their shapes or their partitioning):
 # a resume that changes one would fail inside DeepSpeed's load with a tensor-size error, or load wrong state.

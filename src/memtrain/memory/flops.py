@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_backward_flop_count, \
+    sdpa_flop_count, shape_wrapper
+
+from memtrain.recompute.policy import OP_GROUPS
 
 # --------------------------------------------------------------------------- shapes
 
@@ -165,8 +169,6 @@ def recompute_flops_per_token(config, seq_len: int, layers: tuple[str, ...]) -> 
 
     A plan shorter than the model covers its first layers only.
     """
-    from memtrain.recompute.policy import OP_GROUPS
-
     grouped_saved = "_grouped_mm" in OP_GROUPS.get("matmul", ())
     total = 0.0
     for layer, mode in zip(_layers(config, seq_len), layers):
@@ -193,9 +195,6 @@ def _register_flop_formulas() -> None:
     """Teach FlopCounterMode the ops it does not count: aten._grouped_mm (MoE experts in
     transformers 5; torch 2.13 has no formula) and SDPA's CPU flash-attention kernel and its
     backward (counted like the CUDA SDPA kernels, grouped-query shapes included)."""
-    from torch.utils.flop_counter import (flop_registry, register_flop_formula, sdpa_backward_flop_count,
-                                          sdpa_flop_count)
-
     aten = torch.ops.aten
     if hasattr(aten, "_grouped_mm") and aten._grouped_mm not in flop_registry:
         @register_flop_formula(aten._grouped_mm)
@@ -211,7 +210,7 @@ def _register_flop_formulas() -> None:
 
     # transformers' fallback for it (memtrain.model.moe: MoE experts in fp32/fp16), a custom op: (S, k) @ (E, k, n)
     # by offs -> (S, n) forward; its backward computes the input's and the weights' gradients, twice that
-    import transformers.integrations.moe  # noqa: F401  (defines the transformers:: ops)
+    import transformers.integrations.moe  # noqa: F401, PLC0415 transformers: heavy, only here (defines the transformers:: ops)
 
     # Which of them exist depends on the transformers version (5.17, on the lent GPU image, has no backward op):
     # count those that are there.
@@ -231,7 +230,6 @@ def _register_flop_formulas() -> None:
     # of them (torch < 2.13, e.g. the 2.11 of the GPU image, asserts on K/V with fewer heads than Q;
     # the kernels broadcast K/V to the query heads, so that is what is counted). Replacing torch's
     # own CUDA entries with these gives its 2.13 counts on any version.
-    from torch.utils.flop_counter import shape_wrapper
 
     def broadcast(query, key, value):
         heads = query[1]
@@ -302,8 +300,6 @@ class _Totals:
 
 def flop_counter():
     """FlopCounterMode totals only (no per-module tracking), with memtrain's formulas registered."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     counter = FlopCounterMode(display=False)
     counter.mod_tracker = _Totals()
     return counter

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError, field_validator
 
 from memtrain.errors import UserError
+from memtrain.units import parse_size
 
 
 class _Strict(BaseModel):
@@ -22,8 +23,6 @@ class _Strict(BaseModel):
 
 
 def _size(value, key: str):
-    from memtrain.units import parse_size
-
     return parse_size(value, key) if isinstance(value, str) else int(value * (1 << 30))
 
 
@@ -60,15 +59,26 @@ class EfficiencySheet(_Strict):
     host_memory: PositiveFloat  # CPU Adam's share of the host memory bandwidth
 
 
+class OverheadSheet(_Strict):
+    """Seconds of per-call overhead (Python, dispatcher, hooks, a collective's fixed cost): 0 unless measured
+    (`plan --verify` fits them from measured runs on the sheet's device)."""
+
+    layer_s: NonNegativeFloat = 0.0  # one decoder layer's forward and backward, per micro-step
+    collective_s: NonNegativeFloat = 0.0  # one collective call, beyond the link's latency (ZeRO-3's fetch hooks too)
+    step_s: NonNegativeFloat = 0.0  # one optimizer step, beyond its terms (engine and optimizer bookkeeping)
+
+
 class HardwareSheet(_Strict):
     name: str
+    device: Literal["cuda", "cpu"] = "cuda"  # what runs a rank: a GPU, or (the CPU proxy) a CPU process
     gpus_per_node: PositiveInt
     gpu: GpuSheet
     node: NodeSheet
     efficiency: EfficiencySheet
+    overhead: OverheadSheet = OverheadSheet()
 
 
-SECTIONS = {"gpu": GpuSheet, "node": NodeSheet, "efficiency": EfficiencySheet}
+SECTIONS = {"gpu": GpuSheet, "node": NodeSheet, "efficiency": EfficiencySheet, "overhead": OverheadSheet}
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,10 @@ class Hardware:
     host_memory_efficiency: float
     origin: dict = field(default_factory=dict)  # "section.key" -> "sheet" or the calibration file's path
     values: dict = field(default_factory=dict)  # "section.key" -> the figure as the file writes it (bytes for sizes)
+    overhead_layer_s: float = 0.0  # per decoder layer's forward and backward (OverheadSheet)
+    overhead_collective_s: float = 0.0  # per collective call
+    overhead_step_s: float = 0.0  # per optimizer step
+    device: str = "cuda"
 
     @property
     def flops_per_s(self) -> float:
@@ -156,9 +170,9 @@ def load_hardware(path: str | Path, calibration: Optional[str | Path] = None) ->
         blamed = cal_path if any(o != "sheet" and ".".join(map(str, e.errors()[0]["loc"])) == k
                                  for k, o in origin.items()) else path
         raise UserError(_line(e, blamed)) from None
-    g, n, eff = sheet.gpu, sheet.node, sheet.efficiency
+    g, n, eff, o = sheet.gpu, sheet.node, sheet.efficiency, sheet.overhead
     values = {f"{s}.{k}": v for s in SECTIONS for k, v in getattr(sheet, s).model_dump().items()}
     return Hardware(sheet.name, sheet.gpus_per_node, g.memory, g.bf16_tflops * 1e12, g.hbm_gb_per_s * 1e9,
                     g.intra_node_gb_per_s * 1e9 * eff.intra_node_link, g.inter_node_gb_per_s * 1e9 * eff.inter_node_link,
                     g.host_gb_per_s * 1e9, n.host_ram, n.cores, n.host_mem_gb_per_s * 1e9, eff.compute, eff.hbm,
-                    eff.host_memory, origin, values)
+                    eff.host_memory, origin, values, o.layer_s, o.collective_s, o.step_s, sheet.device)

@@ -34,10 +34,13 @@ from memtrain.errors import UserError
 from memtrain.units import gib
 from memtrain.memory.predict import (LayerChoice, Prediction, activation_peak, allocator_margin, layer_footprint,
                                     predict)
-from memtrain.memory.profile import ActivationProfile
-from memtrain.memory.rates import Rates
+from memtrain.memory.profile import ActivationProfile, profile_activations
+from memtrain.memory.rates import Rates, measure_rates
 from memtrain.memory.states import ModelStates, model_states
-from memtrain.memory.target import Target
+from memtrain.memory.target import Target, make_target, model_and_config, recompute_spec
+from memtrain.config.ds_config import zero_stage
+from memtrain.memory.predict import predict_plan
+from memtrain.recompute.offload import PREFETCH_DEPTH
 
 # --------------------------------------------------------------------------- choices and their time
 
@@ -55,8 +58,6 @@ def available_choices(profile: ActivationProfile, backend: str, offload: bool) -
 
 def choice_seconds(profile: ActivationProfile, rates: Rates, choice: LayerChoice) -> float:
     """Predicted extra step time of one layer under `choice`, over keeping everything."""
-    from memtrain.recompute.offload import PREFETCH_DEPTH
-
     c = profile.layers[choice.mode]
     seconds = c.recompute_flops / rates.flops_per_s + c.recompute_written / rates.bytes_per_s
     if choice.offload:
@@ -71,8 +72,6 @@ def choice_seconds(profile: ActivationProfile, rates: Rates, choice: LayerChoice
 
 def _prefetch_unit(profile: ActivationProfile, choices: tuple[LayerChoice, ...]) -> tuple[int, int]:
     """(offloaded layers memtrain.recompute.offload restores ahead, bytes of one offloaded input); (0, 0) without offload."""
-    from memtrain.recompute.offload import PREFETCH_DEPTH
-
     offloaded = [c for c in choices if c.offload]
     if not offloaded:
         return 0, 0
@@ -267,8 +266,6 @@ def _ds_variant(ds_config: dict, stage: Optional[int] = None, offload_optimizer:
 def what_fits(profile: ActivationProfile, ds_config: dict, target: Target, choices: tuple[LayerChoice, ...],
               budget: int) -> tuple[float, str]:
     """(smallest achievable peak in GiB, what would fit: micro-batch, GPUs, ZeRO stage, offload)."""
-    from memtrain.config.ds_config import zero_stage
-
     def fits(prof: ActivationProfile, states: ModelStates) -> bool:
         return feasible(prof, activation_limit(prof, states, choices, budget), choices, states.backward) is not None
 
@@ -303,10 +300,6 @@ def auto_plan(spec: RecomputeSpec, recipe, ds_config: dict, world_size: int, con
     """`activation_checkpointing.policy: auto`: the ACPlan that fits `memory_budget` with the least
     predicted step time, among the per-layer choices the run's RecomputeSpec allows (its backend, and
     whether its checkpointed inputs may go to host memory). Raises UserError (one line) when no plan fits."""
-    from memtrain.memory.profile import profile_activations
-    from memtrain.memory.rates import measure_rates
-    from memtrain.memory.target import make_target, model_and_config
-
     section = spec.section
     if section.memory_budget is None:
         raise UserError("activation_checkpointing.memory_budget: policy 'auto' needs a budget in GiB "
@@ -335,9 +328,6 @@ def may_offload(spec: RecomputeSpec, target: Target, rates: Rates) -> bool:
 
 def suggest_fit(recipe, ds_config: dict, world_size: int, budget_bytes: int) -> str:
     """For an out-of-memory report: the smallest peak memtrain's AC can reach, and what would fit."""
-    from memtrain.memory.profile import profile_activations
-    from memtrain.memory.target import make_target, model_and_config, recompute_spec
-
     spec = recompute_spec(recipe, ds_config, world_size=world_size)
     target = make_target(recipe, ds_config, world_size, spec=spec)
     profile = profile_activations(model_and_config(recipe), target)
@@ -360,9 +350,6 @@ def predict_run(recipe, ds_config: dict, world_size: int, plan: ACPlan, config=N
     (see memtrain.memory.predict.plan_choices); what cannot be modelled is said in `Prediction.notes`.
     `ds_config` is the run's DeepSpeed config (resolved or raw: 'auto' values are read as
     memtrain resolves them)."""
-    from memtrain.memory.predict import predict_plan
-    from memtrain.memory.target import make_target, model_and_config
-
     target = target or make_target(recipe, ds_config, world_size)
     config = config or model_and_config(recipe)
     return predict_plan(config, target, ds_config, plan)

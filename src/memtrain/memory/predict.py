@@ -8,12 +8,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Optional
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP, OP
 from memtrain.recompute.hooks import module_pattern, sublayer
 from memtrain.memory import tensor_parallel
 from memtrain.memory.target import Target
 from memtrain.memory.states import ModelStates, model_states
 from memtrain.memory.profile import MODULES, ActivationProfile, fake_model, profile_activations, supported_modes, modules_mode
+from memtrain.model.build import decoder_layers
+from memtrain.recompute.offload import PREFETCH_DEPTH
 
 # Allocator margin on CUDA: what torch.cuda.max_memory_allocated() shows above the live tensors
 # this model adds up (block rounding is already in the measured sizes; this is what is left:
@@ -189,8 +194,6 @@ def activation_peak(profile: ActivationProfile, choices, segments=(),
                     prefetch_depth: Optional[int] = None, backward_extra: int = 0) -> tuple[int, str]:
     """The activation peak of a plan, and its phase (see `_walk`). `backward_extra` takes part in
     choosing the phase but is not in the returned bytes."""
-    from memtrain.recompute.offload import PREFETCH_DEPTH
-
     depth = PREFETCH_DEPTH if prefetch_depth is None else prefetch_depth
     best = _best(_walk(profile, plan_units(choices, segments), depth, profile.target.device == "cuda" and depth > 0,
                        backward_extra), backward_extra)
@@ -203,8 +206,6 @@ def predict(profile: ActivationProfile, states: ModelStates, choices, segments=(
     and sqrt segments. memtrain's offload prefetches PREFETCH_DEPTH layers ahead and copies
     on a side stream; DeepSpeed's own CPU_CHECKPOINT (offload_impl 'deepspeed') brings each input
     back when its recompute needs it."""
-    from memtrain.recompute.offload import PREFETCH_DEPTH
-
     memtrain = offload_impl == "memtrain"
     depth = PREFETCH_DEPTH if memtrain else 0
     units = plan_units(choices, segments)
@@ -251,8 +252,6 @@ def eval_peak(profile: ActivationProfile, states: ModelStates) -> int:
 
 def _layer_module_names(model) -> tuple[str, list[str]]:
     """(path of the decoder-layer list, module paths inside layer 0 relative to it, '' = the layer)."""
-    from memtrain.model.build import decoder_layers
-
     path, layers = decoder_layers(model)
     return path, [n for n, _ in layers[0].named_modules()]
 
@@ -323,8 +322,6 @@ def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[LayerChoi
 
 def predict_plan(config, target: Target, ds_config: dict, plan: ACPlan) -> Prediction:
     """The prediction for any ACPlan the trainer runs (see memtrain.memory.planner.predict_run)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode(allow_non_fake_inputs=True):
         model1 = fake_model(config, 1, target)
         choices, notes = plan_choices(plan, model1, config.num_hidden_layers)

@@ -12,14 +12,24 @@ import copy
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
+from collections import Counter
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP
 from memtrain.recompute.hooks import apply_plan, find_sublayer, remove_plan
 from memtrain.memory import tensor_parallel, ulysses
 from memtrain.recompute.meter import ActivationMeter, StepTracker
 from memtrain.memory.target import Target
+from memtrain.memory.flops import flop_counter
+from memtrain.model.attention import plain
+from memtrain.model.build import decoder_layers
+from memtrain.model.freeze import freeze
+from memtrain.model.lora import add_lora
+from memtrain.model.loss import fused_unsupported, install_loss
+from memtrain.model.quantize import quantized_layers
+from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 
@@ -88,10 +98,6 @@ def _layer_config(config, num_layers: int):
 def _param_shapes(model, num_layers: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
     """From a 1-layer model: (parameters of the num_layers model, the largest single module's,
     histogram of parameter sizes), tied parameters counted once."""
-    from collections import Counter
-
-    from memtrain.model.build import decoder_layers
-
     unique = {id(p): p for p in model.parameters()}
     _, layers = decoder_layers(model)
     in_layer = {id(p) for p in layers[0].parameters()}
@@ -106,11 +112,6 @@ def _param_shapes(model, num_layers: int) -> tuple[int, int, tuple[tuple[int, in
 def _quantized_shapes(model, num_layers: int) -> tuple[tuple[int, int], ...]:
     """From a 1-layer model: (elements, how many) of the weights a 4-bit base stores in 4 bits over the num_layers
     model (memtrain.model.quantize.quantized_layers)."""
-    from collections import Counter
-
-    from memtrain.model.build import decoder_layers
-    from memtrain.model.quantize import quantized_layers
-
     layer_path, _ = decoder_layers(model)
     sizes: Counter = Counter()
     for path in quantized_layers(model):
@@ -129,8 +130,6 @@ def modules_mode(paths) -> str:
 
 def mode_plan(model, modes) -> ACPlan:
     """The ACPlan a measured per-layer mode tuple stands for (modules modes: the same paths in every layer)."""
-    from memtrain.model.build import decoder_layers
-
     if isinstance(modes, ACPlan):
         return modes
     path, _ = decoder_layers(model)
@@ -147,9 +146,6 @@ def mode_plan(model, modes) -> ACPlan:
 def _run(model, modes, target: Target) -> dict:
     """One forward+backward under a per-layer plan (mode tuple or ACPlan): the live-bytes curve with
     per-layer marks."""
-    from memtrain.memory.flops import flop_counter
-    from memtrain.model.build import decoder_layers
-
     _, layers = decoder_layers(model)
     apply_plan(model, mode_plan(model, modes))
     counter = flop_counter()
@@ -206,11 +202,7 @@ def _run(model, modes, target: Target) -> dict:
 
 
 def fake_model(config, num_layers: int, target: Target):
-    from transformers import AutoModelForCausalLM
-
-    from memtrain.model.build import decoder_layers
-    from memtrain.model.loss import fused_unsupported, install_loss
-    from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     with torch.device(_fake_device(target)):
         model = AutoModelForCausalLM.from_config(_layer_config(config, num_layers), dtype=target.torch_dtype)
@@ -218,8 +210,6 @@ def fake_model(config, num_layers: int, target: Target):
     # parallelism the profile is one rank's slice of tokens with all heads: the same bytes as
     # Ulysses' full sequence on heads/sp (its all-to-all buffers: memtrain.memory.ulysses).
     if target.lora is not None:  # the adapters' weights and what they keep; peft freezes the base weights
-        from memtrain.model.freeze import freeze
-        from memtrain.model.lora import add_lora
 
         add_lora(model, target.lora, dtype=target.torch_dtype)
         freeze(model)  # as the trainer: the frozen embedding's output requires grad (the first layer's backward)
@@ -243,7 +233,7 @@ def _packing(packed: bool):
     positions instead and builds none). Fake tensors hold no values: the answer comes from the recipe's data
     here, and the mask, with what each layer's attention keeps of it, is measured like everything else.
     """
-    from transformers import masking_utils
+    from transformers import masking_utils  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     original = masking_utils.find_packed_sequence_indices
     masking_utils.find_packed_sequence_indices = (lambda position_ids: torch.zeros_like(position_ids)) if packed \
@@ -282,10 +272,6 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
     for mode in extra:
         mkey = (config.to_json_string(), target, mode)
         if mkey not in _MODE_COSTS:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            from memtrain.model.attention import plain
-
             with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
                 run = _run(fake_model(config, 1, target), (mode,), target)
             _MODE_COSTS[mkey] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
@@ -330,11 +316,6 @@ def _layer_cost(run, outside_saved: int, keep: Optional[LayerCost] = None) -> La
 
 
 def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> ActivationProfile:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memtrain.model.attention import plain
-    from memtrain.model.build import decoder_layers
-
     runs: dict[str, dict] = {}
     with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
         model = fake_model(config, 1, target)

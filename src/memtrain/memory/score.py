@@ -22,6 +22,7 @@ from memtrain.memory.rates import Rates
 from memtrain.memory.states import ModelStates, keeps_gathered, persistent_elements, zero_config
 from memtrain.memory.step_time import StepTime, optimizer_seconds, step_time
 from memtrain.memory.target import Target, make_target, recompute_spec
+from memtrain.memory.tensor_parallel import supports
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,6 @@ def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, act
 def model_shape(config, profile: ActivationProfile, target: Target, persistent: int) -> ModelShape:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
-    from memtrain.memory.tensor_parallel import supports
 
     return ModelShape(text.num_hidden_layers, text.hidden_size, text.vocab_size, heads,
                       getattr(text, "num_key_value_heads", None) or heads,
@@ -175,7 +175,8 @@ def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage:
     copies_step = elem * shape.params / layout.zero if offload_opt else 0.0
     time = step_time(s.hw, layout, collectives, s.flops_per_token * mb * s.seq_len / (fam.tp * fam.sp),
                      sum(choice_seconds(profile, s.rates, c) for c in plan), ga,
-                     optimizer_seconds(s.hw, trained_rank, offload_opt, s.ranks_per_node), copies_micro, copies_step)
+                     optimizer_seconds(s.hw, trained_rank, offload_opt, s.ranks_per_node), copies_micro, copies_step,
+                     tuple(c.mode for c in plan))
     tokens_per_s = s.global_tokens / time.seconds
     cfg = Config(stage, offload_opt, offload_param, fam.tp, fam.sp, mb, ga, fam.activation_offload)
     return Scored(cfg, plan, pred, s.ranks_per_node * (states.host + pred.host_activations), time, tokens_per_s,

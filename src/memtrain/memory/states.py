@@ -87,7 +87,7 @@ def keeps_gathered(zero, params: int, world: int) -> bool:
 
 def zero_config(ds_config: dict):
     """DeepSpeed's own parse of the JSON's zero_optimization section (its defaults filled)."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     return DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
 

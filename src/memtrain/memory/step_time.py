@@ -19,7 +19,12 @@
   node's ranks share its bandwidth);
 * offload copies: gradients to the host every micro-step and parameters back every step
   (offload_optimizer), each parameter gather's partition from the host (offload_param), at the
-  host link's rate, not hidden.
+  host link's rate, not hidden;
+* overhead: per-call costs the rates above do not see (Python, the dispatcher, hooks, a collective's
+  fixed cost beyond the link's latency), on the compute path, never hidden: the sheet's
+  `overhead.layer_s` per decoder layer's forward and backward (a recomputed layer re-runs a share of
+  its calls, RECOMPUTE_CALLS), `overhead.collective_s` per collective call, `overhead.step_s` per
+  optimizer step. 0 unless a calibration file holds them (`plan --verify` fits them from measured runs).
 """
 from __future__ import annotations
 
@@ -39,6 +44,11 @@ LATENCY_S = {False: 10e-6, True: 20e-6}  # crosses nodes?
 # Adam per trained parameter: fp32 master, exp_avg and exp_avg_sq read and written (24), the fp32
 # gradient read (4), the compute-dtype parameter written back (2).
 ADAM_BYTES_PER_PARAM = 30
+# Share of a layer's forward-and-backward calls a recompute runs again: the forward's (full) or one
+# block's (attn, mlp, op). An assumption, not measured: a layer's backward runs about as many calls as its
+# forward, so a full recompute adds half.
+RECOMPUTE_CALLS = {"keep": 0.0, "full": 0.5}
+RECOMPUTE_CALLS_PARTIAL = 0.25
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,9 @@ class StepTime:
     """Seconds per optimizer step, by term (each already multiplied out over the step's micro-steps)."""
 
     terms: dict[str, float] = field(default_factory=dict)
+    # what the overhead term counts over the step: "layer_calls" (decoder layers' forward-and-backward calls,
+    # recompute's share included), "collective_calls" (calls in groups of more than one rank), "steps" (1)
+    counts: dict[str, float] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -73,10 +86,27 @@ def optimizer_seconds(hw: Hardware, trained_per_rank: int, offload: bool, ranks_
     return moved / (hw.hbm_bytes_per_s * hw.hbm_efficiency)
 
 
+def layer_calls(modes: tuple[str, ...]) -> float:
+    """Decoder layers' forward-and-backward calls of one micro-step under per-layer modes (recompute's share)."""
+    return sum(1.0 + RECOMPUTE_CALLS.get(m, RECOMPUTE_CALLS_PARTIAL) for m in modes)
+
+
+def overhead_counts(layout: Layout, collectives: list[Collective], modes: tuple[str, ...], grad_accum: int) -> dict:
+    """What the overhead term counts over one step (StepTime.counts)."""
+    calls = sum(c.calls * (grad_accum if c.phase == MICRO else 1) for c in collectives if layout.group(c.group)[0] > 1)
+    return {"layer_calls": grad_accum * layer_calls(modes), "collective_calls": float(calls), "steps": 1.0}
+
+
+def overhead_seconds(hw: Hardware, counts: dict) -> float:
+    return (hw.overhead_layer_s * counts["layer_calls"] + hw.overhead_collective_s * counts["collective_calls"]
+            + hw.overhead_step_s * counts["steps"])
+
+
 def step_time(hw: Hardware, layout: Layout, collectives: list[Collective], model_flops: float, ac_seconds: float,
-              grad_accum: int, optimizer_s: float, host_copy_micro: float = 0.0, host_copy_step: float = 0.0) -> StepTime:
+              grad_accum: int, optimizer_s: float, host_copy_micro: float = 0.0, host_copy_step: float = 0.0,
+              modes: tuple[str, ...] = ()) -> StepTime:
     """`model_flops` per micro-step on one rank; `ac_seconds` the per-layer solver's seconds per micro-step;
-    `host_copy_*` bytes a rank copies over its host link per micro-step / per step."""
+    `host_copy_*` bytes a rank copies over its host link per micro-step / per step; `modes` the layers' AC modes."""
     compute = model_flops / hw.flops_per_s
     per = {"zero": 0.0, "tp": 0.0, "sp": 0.0}
     stepwise = 0.0
@@ -86,6 +116,7 @@ def step_time(hw: Hardware, layout: Layout, collectives: list[Collective], model
             per[c.group] += s
         else:
             stepwise += s
+    counts = overhead_counts(layout, collectives, modes, grad_accum)
     hidden = min(per["zero"], ZERO_OVERLAP * compute)
     return StepTime({
         "compute": grad_accum * compute,
@@ -95,4 +126,5 @@ def step_time(hw: Hardware, layout: Layout, collectives: list[Collective], model
         "sp_comm": grad_accum * per["sp"],
         "offload_copies": (grad_accum * host_copy_micro + host_copy_step) / hw.host_bytes_per_s,
         "optimizer": optimizer_s,
-    })
+        "overhead": overhead_seconds(hw, counts),
+    }, counts)

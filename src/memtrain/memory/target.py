@@ -10,6 +10,10 @@ from memtrain.config.ds_config import AUTO, tp_size as json_tp_size
 from memtrain.config.recipe import LoraSection, QuantizationSection
 from memtrain.config.recompute_spec import RecomputeSpec, resolve_with_layout
 from memtrain.config.zero3 import Zero3Layout
+from memtrain.model.build import build_config, build_on_meta, decoder_layers
+from memtrain.model.data import build_tokenizer
+from memtrain.model.freeze import count_trainable
+from memtrain.model.lora import add_lora, trainable_patterns
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,6 @@ def resolve_spec(recipe, ds_config: dict, world_size: int = 1, device: Optional[
     """The RecomputeSpec and ZeRO-3 layout of a run of `recipe` under the JSON `ds_config` on `world_size` ranks and
     `device` (default: this machine's): one function for the run's preflight, make plan, --max-seq and the OOM advice.
     `model`: the run's model on the meta device (default: built here from the recipe)."""
-    from memtrain.model.build import build_on_meta, decoder_layers
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = model if model is not None else build_on_meta(recipe.model, model_and_config(recipe))
     layer_class = type(decoder_layers(model)[1][0])
@@ -117,22 +119,14 @@ def _trainable(recipe) -> tuple[int, int]:
     t = recipe.train
     if not (t.trainable or t.frozen or recipe.model.lora):
         return 0, 0
-    from memtrain.model.build import build_on_meta
-    from memtrain.model.freeze import count_trainable
-    from memtrain.model.lora import trainable_patterns
 
     model = build_on_meta(recipe.model, model_and_config(recipe))
     if recipe.model.lora is not None:
-        from memtrain.model.lora import add_lora
-
         add_lora(model, recipe.model.lora)
     trained = count_trainable(model, trainable_patterns(model, recipe.model.lora, t.trainable), t.frozen)
     return trained, sum(p.numel() for p in model.parameters())
 
 def model_and_config(recipe, seq_len: Optional[int] = None):
     """The transformers config the trainer builds for this recipe (tokenizer included)."""
-    from memtrain.model.data import build_tokenizer
-    from memtrain.model.build import build_config
-
     tokenizer = build_tokenizer(recipe.data.tokenizer)
     return build_config(recipe.model, tokenizer.vocab_size, seq_len or recipe.data.seq_len)

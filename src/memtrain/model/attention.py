@@ -11,7 +11,7 @@ _ORIGINAL: dict = {}
 
 def remember(name: str) -> None:
     """Call before registering a wrapper for attention implementation `name`."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     if name not in _ORIGINAL and name in ALL_ATTENTION_FUNCTIONS:
         _ORIGINAL[name] = ALL_ATTENTION_FUNCTIONS[name]
@@ -23,7 +23,7 @@ def plain():
     if not _ORIGINAL:
         yield
         return
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     replaced = {name: ALL_ATTENTION_FUNCTIONS[name] for name in _ORIGINAL}
     for name, fn in _ORIGINAL.items():

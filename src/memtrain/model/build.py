@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
+import json
 
 import torch
 from torch import nn
@@ -16,8 +17,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def build_config(section: ModelSection, vocab_size: int, seq_len: int):
     """A transformers config for the recipe, checked for the mistakes users make most."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers import AutoConfig  # noqa: PLC0415 transformers: heavy, imported only when this runs
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     if section.pretrained:
         _check_pretrained_json(Path(section.pretrained) / "config.json", CONFIG_MAPPING)
@@ -79,7 +80,7 @@ def build_config(section: ModelSection, vocab_size: int, seq_len: int):
 def _quiet_default(config_class):
     """The family's default config, for its key names and defaults only: transformers' warnings about it
     (StarCoder2's default bos/eos ids outside its default vocabulary) are not about the user's model."""
-    from transformers.utils import logging
+    from transformers.utils import logging  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     level = logging.get_verbosity()
     logging.set_verbosity_error()
@@ -104,8 +105,6 @@ def _first_line(e: BaseException) -> str:
 
 def _check_pretrained_json(path: Path, known) -> None:
     """What AutoConfig would report as a traceback (or a list of every model type): one line."""
-    import json
-
     if not path.is_file():
         raise UserError(f"model.pretrained: '{path.parent}' has no config.json")
     try:
@@ -130,7 +129,7 @@ def _check_pretrained_json(path: Path, known) -> None:
 def build_on_meta(section: ModelSection, config) -> nn.Module:
     """The model on the meta device (no memory, no weights read): transformers' own checks of every
     config value run, as they will when the workers build it. One line naming the key on failure."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     try:
         with torch.device("meta"):
@@ -140,7 +139,7 @@ def build_on_meta(section: ModelSection, config) -> nn.Module:
         keys = [k for k, v in section.config.items() if _blamed(v, message)]
         where = f"model.config.{keys[0]}" if keys else ("model.pretrained" if section.pretrained else "model.config")
         if where.endswith("_act") or where.endswith("activation_function"):
-            from transformers.activations import ACT2CLS
+            from transformers.activations import ACT2CLS  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
             message += f"; {_activation_hint(section.config[where.split('.')[-1]], ACT2CLS)}"
         raise UserError(f"{where}: transformers cannot build {config.model_type} with it: {message}") from None
@@ -181,13 +180,13 @@ def _check_shapes(value, key, vocab_size: int, seq_len: int) -> None:
 def model_class(config) -> type:
     """The transformers causal-LM class that `build_model` makes for `config`; the lazy mapping imports the
     family's modeling module."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
 def build_model(section: ModelSection, config) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     dtype = _DTYPES[section.dtype]
     if section.pretrained:
@@ -198,7 +197,7 @@ def build_model(section: ModelSection, config) -> nn.Module:
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's list of decoder layers and its module path (model.layers, transformer.h, ...)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) and all(

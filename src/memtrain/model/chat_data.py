@@ -4,21 +4,20 @@ Rows become messages (and tools) in memtrain.model.chat_rows. Each sample is ren
 template (`data.chat_template` replaces it); its labels are -100 everywhere but on the assistant's tokens. Where
 the template marks them ({% generation %}), transformers' `return_assistant_tokens_mask` gives them; else each
 assistant turn's tokens are the difference between the conversation rendered up to the turn with the generation
-prompt and with the turn. Samples are packed whole, first fit in file order, into rows of `data.seq_len`; position
-ids restart at 0 for each sample, so transformers' attention keeps samples apart (it reads packed sequences from
-the positions), and a row's unused tail is padding with label -100. A sample that cannot be used (no assistant
-turn, malformed messages, a template that raises or does not render the conversation as a prefix of its
-continuation, longer than a row without `data.truncate`) is counted by reason and reported in one line, never
-dropped silently; `data.truncate` keeps an over-long sample's first `data.seq_len` tokens and counts it.
+prompt and with the turn. The samples are rendered once into a store (memtrain.model.chat_store), not by seq_len;
+a run packs them whole, first fit in file order, into rows of `data.seq_len` (PackedChat); position ids restart at
+0 for each sample, so transformers' attention keeps samples apart (it reads packed sequences from the positions),
+and a row's unused tail is padding with label -100. A sample that cannot be used (no assistant turn, malformed
+messages, a template that raises or does not render the conversation as a prefix of its continuation, longer than
+a row without `data.truncate`) is counted by reason and reported in one line, never dropped silently;
+`data.truncate` keeps an over-long sample's first `data.seq_len` tokens and counts it.
 """
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -110,74 +109,54 @@ def encode_sample(tok, messages: list[dict], tools=None):
     return np.asarray(ids, dtype=np.int64), mask
 
 
-def _encoded(tok, row: dict, cfg: DataSection):
-    """(sample, None, truncated?) or (None, why skipped, False) for one row."""
+def encode_row(tok, row: dict, cfg: DataSection):
+    """(token ids, assistant mask) of one dataset row, whatever its length, or (None, why it is skipped)."""
     messages, tools, why = row_messages(row, cfg)
     if messages is None:
-        return None, why, False
+        return None, why
     try:
         encoded = encode_sample(tok, messages, tools)
     except TemplateFailure as e:
-        return None, f"template error: {e}", False
+        return None, f"template error: {e}"
     if encoded is None:
-        return None, "template not prefix-stable", False
-    truncated = len(encoded[0]) > cfg.seq_len
-    if truncated and not cfg.truncate:
-        return None, "longer than data.seq_len", False
-    ids, mask = encoded[0][:cfg.seq_len], encoded[1][:cfg.seq_len]
-    if not mask.any():
-        return None, "no assistant token" + (" within data.seq_len" if truncated else " in the rendering"), False
-    return (ids, mask), None, truncated
+        return None, "template not prefix-stable"
+    return encoded, None
 
 
-def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int):
-    """Whole samples into rows, first fit in order: (ids, labels, positions) [rows, seq_len], and each row's real
-    (not padding) token count [rows]."""
-    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    free: list[int] = []
-    for sample in samples:
-        n = len(sample[0])
-        slot = next((r for r, left in enumerate(free) if left >= n), None)
-        if slot is None:
-            rows.append([]), free.append(seq_len)
-            slot = len(rows) - 1
-        rows[slot].append(sample)
-        free[slot] -= n
-    ids = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
-    labels = np.full((len(rows), seq_len), IGNORE, dtype=np.int64)
-    positions = np.zeros((len(rows), seq_len), dtype=np.int64)
-    real = np.array([seq_len - left for left in free], dtype=np.int64)
-    for r, row in enumerate(rows):
-        at = 0
-        for x, mask in row:
-            ids[r, at:at + len(x)] = x
-            labels[r, at:at + len(x)] = np.where(mask, x, IGNORE)
-            positions[r, at:at + len(x)] = np.arange(len(x))
-            at += len(x)
-        positions[r, at:] = np.arange(seq_len - at)  # the padding: a segment of its own
-    return ids, labels, positions, real
+def first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Samples of `lengths` (each 1..capacity) packed whole into rows of `capacity`, first fit in order: each one's
+    (row, start in the row). A tree of each row range's largest free space finds the first row with room in
+    log(rows) steps (a row not yet opened has all of it)."""
+    n = len(lengths)
+    size = 1 << max(n - 1, 0).bit_length()
+    tree = [capacity] * (2 * size)
+    rows = np.empty(n, dtype=np.int64)
+    starts = np.empty(n, dtype=np.int64)
+    for i, length in enumerate(lengths.tolist()):
+        node = 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= length else 2 * node + 1
+        rows[i], starts[i] = node - size, capacity - tree[node]
+        tree[node] -= length
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return rows, starts
 
 
-def build(texts_rows: list[dict], tokenizer, cfg: DataSection) -> tuple[tuple[np.ndarray, ...], dict]:
-    """Packed arrays and the report of what was used and skipped."""
-    tok = tokenizer.hf
-    samples, skipped, truncated = [], Counter(), 0
-    for row in texts_rows:
-        sample, why, cut = _encoded(tok, row, cfg)
-        if sample is None:
-            skipped[why] += 1
-        else:
-            samples.append(sample)
-            truncated += cut
-    if not samples:
-        raise UserError(f"data.paths: no usable {cfg.format} sample in {len(texts_rows)} row(s) "
-                        f"({_skipped_text(skipped)})")
-    arrays = pack(samples, cfg.seq_len, tokenizer.eos_token_id)
-    real = int(sum(len(x) for x, _ in samples))
-    report = {"samples": len(samples), "rows": len(arrays[0]), "real_tokens": real,
-              "trained_tokens": int(sum(m.sum() for _, m in samples)), "skipped": dict(skipped), "truncated": truncated}
-    return arrays, report
+@dataclass(frozen=True)
+class ChatSamples:
+    """Rendered samples end to end (memtrain.model.chat_store's files, memory-mapped): sample i is
+    ids[offsets[i]:offsets[i + 1]], mask the same span (1: an assistant token), trained[i] its assistant tokens;
+    `skipped`: the rows not stored, by reason; `pad_id` fills a row's unused tail."""
 
+    ids: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+    trained: np.ndarray
+    skipped: dict
+    pad_id: int
 
 def _skipped_text(skipped: dict) -> str:
     return ", ".join(f"{n:,} {why}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1])) or "none skipped"
@@ -194,65 +173,78 @@ def report_line(report: dict, cfg: DataSection) -> str:
             + (f"; truncated {report['truncated']:,} to data.seq_len" if report.get("truncated") else ""))
 
 
-@dataclass
 class PackedChat:
-    """Packed chat/instruction rows with their labels and positions; the same batch interface as PackedData
-    (a pure function of the position: resume-exact), returning the forward's inputs and the real-token count.
+    """Chat/instruction samples packed into rows of data.seq_len when a run opens them: whole samples, first fit in
+    store order (a sample longer than a row skipped, or its first seq_len tokens kept with data.truncate), so a new
+    seq_len re-renders nothing. The same batch interface as PackedData (a pure function of the position:
+    resume-exact), returning the forward's inputs and the real-token count; a batch reads only its own samples."""
 
-    Saved as one directory of .npy files in the narrowest dtypes that hold them and loaded memory-mapped: every
-    rank of a node reads the same page-cache copy, and a batch converts only its own rows to int64."""
+    def __init__(self, samples: ChatSamples, cfg: DataSection, vocab_size: int, seed: int):
+        seq_len, truncate = cfg.seq_len, cfg.truncate
+        self.samples, self.seq_len, self.vocab_size, self.seed = samples, seq_len, vocab_size, seed
+        self.ids, self.mask = samples.ids, samples.mask  # memory-mapped: every rank of a node shares one copy
+        lengths = np.diff(np.asarray(samples.offsets, dtype=np.int64))
+        long = lengths > seq_len
+        self.used = np.minimum(lengths, seq_len) if truncate else lengths
+        trained = np.asarray(samples.trained, dtype=np.int64).copy()
+        for i in np.flatnonzero(long) if truncate else ():  # a truncated sample trains on its kept part only
+            trained[i] = int(np.count_nonzero(self._mask(i)))
+        skipped = Counter(samples.skipped)
+        if not truncate:
+            skipped["longer than data.seq_len"] += int(long.sum())
+        unlabelled = (trained == 0) & (truncate | ~long)
+        skipped["no assistant token within data.seq_len"] += int((unlabelled & long).sum())
+        skipped["no assistant token in the rendering"] += int((unlabelled & ~long).sum())
+        kept = np.flatnonzero((truncate | ~long) & ~unlabelled)
+        if not len(kept):
+            raise UserError(f"data.paths: no usable {cfg.format} sample in {len(lengths) + sum(samples.skipped.values())} "
+                            f"row(s) ({_skipped_text(+skipped)})")
+        rows, starts = first_fit(self.used[kept], seq_len)
+        order = np.lexsort((starts, rows))
+        self._kept, self._row_ptr = kept[order], np.searchsorted(rows[order], np.arange(rows.max() + 2))
+        n_rows = int(rows.max()) + 1
+        self.real = np.bincount(rows, weights=self.used[kept], minlength=n_rows).astype(np.int64)
+        # the loss trains on position t when token t + 1 has a label: a row's first token is never a target
+        first = self._kept[self._row_ptr[:-1]]
+        self.labelled = (np.bincount(rows, weights=trained[kept], minlength=n_rows).astype(np.int64)
+                         - np.asarray(samples.mask[np.asarray(samples.offsets)[first]], dtype=np.int64))
+        self.report = {"samples": len(kept), "rows": n_rows, "real_tokens": int(self.real.sum()),
+                       "trained_tokens": int(trained[kept].sum()), "skipped": dict(+skipped),
+                       "truncated": int(long[kept].sum())}
 
-    ids: np.ndarray
-    labels: np.ndarray
-    positions: np.ndarray
-    real: np.ndarray  # per row: tokens that are not padding (what tokens/s and MFU count)
-    vocab_size: int
-    seed: int
-    report: dict
-    labelled: Optional[np.ndarray] = None  # per row: positions the loss trains on (label of the next token set)
-
-    def __post_init__(self) -> None:
-        if self.labelled is None:
-            self.labelled = _labelled(self.labels)
+    def _mask(self, sample: int) -> np.ndarray:
+        start = int(self.samples.offsets[sample])
+        return np.asarray(self.mask[start:start + self.used[sample]], dtype=bool)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.real)
 
     def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, grad_accum: int) -> dict:
-        return self.rows(order.micro_rows(len(self.ids), self.seed, step, micro, rank, world, micro_batch, grad_accum))
+        return self.rows(order.micro_rows(len(self), self.seed, step, micro, rank, world, micro_batch, grad_accum))
 
     def rows(self, rows: np.ndarray) -> dict:
-        """Rows by index: the forward's inputs and their real-token count (eval reads its rows in order)."""
-        wide = lambda a: torch.from_numpy(np.asarray(a[rows], dtype=np.int64))  # noqa: E731 (only these rows)
-        return {"input_ids": wide(self.ids), "labels": wide(self.labels), "position_ids": wide(self.positions),
-                "tokens": int(self.real[rows].sum())}
+        """Rows by index: the forward's inputs as int64 and their real-token count (eval reads its rows in order).
+        Samples sit end to end from the row's start, positions restarting at 0 for each; the unused tail is padding
+        with label -100 and positions of its own."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        ids = np.full((len(rows), self.seq_len), self.samples.pad_id, dtype=np.int64)
+        labels = np.full((len(rows), self.seq_len), IGNORE, dtype=np.int64)
+        positions = np.zeros((len(rows), self.seq_len), dtype=np.int64)
+        for j, r in enumerate(rows.tolist()):
+            at = 0
+            for sample in self._kept[self._row_ptr[r]:self._row_ptr[r + 1]].tolist():
+                n, start = int(self.used[sample]), int(self.samples.offsets[sample])
+                x = np.asarray(self.ids[start:start + n], dtype=np.int64)
+                ids[j, at:at + n] = x
+                labels[j, at:at + n] = np.where(self._mask(sample), x, IGNORE)
+                positions[j, at:at + n] = np.arange(n)
+                at += n
+            positions[j, at:] = np.arange(self.seq_len - at)  # the padding: a segment of its own
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "position_ids": torch.from_numpy(positions), "tokens": int(self.real[rows].sum())}
 
     def labelled_tokens(self, step: int, world: int, micro_batch: int, grad_accum: int) -> int:
         """Tokens with a label in all of `step`'s micro-batches on all `world` data ranks (each rank can name every
         rank's rows: memtrain.model.order), counted as the loss counts them: position t is trained on when
         token t + 1 is labelled."""
-        return int(self.labelled[order.step_rows(len(self.ids), self.seed, step, world, micro_batch, grad_accum)].sum())
-
-    @staticmethod
-    def save(path: Path, arrays: tuple[np.ndarray, ...], report: dict) -> None:
-        """Into directory `path`: ids and positions as uint16 where they fit (else int32), labels as int32 (-100
-        for no label), per-row counts, the report. 8 to 12 bytes a token on disk, against 24 as int64."""
-        ids, labels, positions, real = arrays
-        path.mkdir()
-        narrow = lambda a: a.astype(np.uint16 if a.size == 0 or int(a.max()) < 1 << 16 else np.int32)  # noqa: E731
-        for name, array in (("ids", narrow(ids)), ("labels", labels.astype(np.int32)),
-                            ("positions", narrow(positions)), ("real", real), ("labelled", _labelled(labels))):
-            np.save(path / f"{name}.npy", array)
-        (path / "report.json").write_text(json.dumps(report))
-
-    @classmethod
-    def load(cls, path: Path, vocab_size: int, seed: int) -> "PackedChat":
-        arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r")
-                  for name in ("ids", "labels", "positions", "real", "labelled")}
-        return cls(arrays["ids"], arrays["labels"], arrays["positions"], arrays["real"], vocab_size, seed,
-                   json.loads((path / "report.json").read_text()), labelled=np.asarray(arrays["labelled"]))
-
-
-def _labelled(labels: np.ndarray) -> np.ndarray:
-    """Per row: positions the loss trains on (position t when token t + 1 has a label), a row at a time."""
-    return np.array([int((row[1:] != IGNORE).sum()) for row in labels], dtype=np.int64)
+        return int(self.labelled[order.step_rows(len(self), self.seed, step, world, micro_batch, grad_accum)].sum())

@@ -8,6 +8,7 @@ import os
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
+import json
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import NodeError, UserError
@@ -76,7 +77,8 @@ def positioned_documents(files: list[Path], cfg: DataSection, start: Optional[di
         if g < start["group"]:
             continue
         at = start if g == start["group"] else {"state": None, "rows": 0}
-        for state, row, text in _stream(builder, paths, cfg, at["state"], at["rows"]):
+        column = "text" if builder == "text" else cfg.text_key
+        for state, row, (text,) in _stream(builder, paths, {column: "text_key"}, [], at["state"], at["rows"]):
             if isinstance(text, str) and text.strip():
                 if budget is not None:
                     text = text[:budget]
@@ -86,47 +88,71 @@ def positioned_documents(files: list[Path], cfg: DataSection, start: Optional[di
                     return
 
 
-def _stream(builder: str, paths: list[str], cfg: DataSection, state: Optional[dict], skip: int) -> Iterator:
-    """(stream state before the row's batch, row in the batch, the text column) of every row of `paths`, streamed
-    from `state` with the first `skip` rows of its batch left out; a file it cannot read is named in one line, with
+def positioned_records(files: list[Path], required: dict[str, str], optional: list[str],
+                       start: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
+    """Every row of JSON-lines, JSON or parquet `files` in order, as a dict of the `required` columns (column: the
+    recipe key that names it) and those of `optional` its file has, each with the reading position just after it
+    (as `positioned_documents`'; one group per file, so that files may differ in their optional columns)."""
+    start = start or {"group": 0, "state": None, "rows": 0}
+    for g, f in enumerate(files):
+        if g < start["group"]:
+            continue
+        at = start if g == start["group"] else {"state": None, "rows": 0}
+        names: list[str] = []  # filled by _stream before its first row
+        for state, row, values in _stream(builder_for(f), [str(f)], required, optional, at["state"], at["rows"],
+                                          names):
+            yield dict(zip(names, values)), {"group": g, "state": state, "rows": row + 1}
+
+
+def _stream(builder: str, paths: list[str], required: dict[str, str], optional: list[str], state: Optional[dict],
+            skip: int, names_out: Optional[list] = None) -> Iterator:
+    """(stream state before the row's batch, row in the batch, the row's values of the columns read) of every row of
+    `paths`, streamed from `state` with the first `skip` rows of its batch left out; `names_out` receives the columns
+    read (the `required` ones, then those of `optional` present). A file it cannot read is named in one line, with
     its row."""
-    column = "text" if builder == "text" else cfg.text_key
     try:
-        ds = _load(builder, paths, column)
+        ds, names = _load(builder, paths, required, optional)
+        if names_out is not None:
+            names_out.extend(names)
         if state is not None:
             ds.load_state_dict(state)
         before = state
         for batch in ds.iter(batch_size=BATCH):
-            for row, text in enumerate(batch[column]):
+            for row, values in enumerate(zip(*(batch[name] for name in names))):
                 if row >= skip:
-                    yield before, row, text
+                    yield before, row, values
             skip = 0
             before = ds.state_dict()
     except (UserError, NodeError):
         raise
     except Exception as e:  # a corrupt file surfaces as one of many datasets/arrow errors, mid-stream
-        raise _locate(builder, paths, column, e) from None
+        raise _locate(builder, paths, required, e) from None
 
 
-def _load(builder: str, paths: list[str], column: str):
-    import datasets
+def _load(builder: str, paths: list[str], required: dict[str, str], optional: list[str] = ()):
+    """The streamed dataset of the columns read, and their names."""
+    import datasets  # noqa: PLC0415 datasets: heavy, imported only when this runs
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     ds = datasets.load_dataset(builder, data_files=paths, split="train", streaming=True, **kwargs)
     names = list(ds.features) if ds.features is not None else None
-    if names is not None and column not in names:
-        raise UserError(f"data.text_key: column '{column}' not in {paths[0]} (columns: {', '.join(names)})")
-    return ds.select_columns([column]) if names is not None else ds
+    if names is None:
+        return ds, list(required)
+    for column, key in required.items():
+        if column not in names:
+            raise UserError(f"data.{key}: column '{column}' not in {paths[0]} (columns: {', '.join(names)})")
+    read = list(required) + [c for c in optional if c in names and c not in required]
+    return ds.select_columns(read), read
 
 
-def _locate(builder: str, paths: list[str], column: str, error: Exception) -> Exception:
+def _locate(builder: str, paths: list[str], required: dict[str, str], error: Exception) -> Exception:
     """The one line for a read that failed mid-stream: the first file that fails alone (read again file by file:
     only on this error path), and in JSON lines the first line that does not parse."""
     for path in paths:
         try:
-            for _ in _load(builder, [path], column).iter(batch_size=BATCH):
+            for _ in _load(builder, [path], required)[0].iter(batch_size=BATCH):
                 pass
         except UserError as e:
             return e
@@ -137,8 +163,6 @@ def _locate(builder: str, paths: list[str], column: str, error: Exception) -> Ex
 
 def _bad_line(path: str) -> str:
     """' (line N)' for the first line of a JSON-lines file that is not JSON, else ''."""
-    import json
-
     if not path.lower().endswith(".jsonl"):
         return ""
     with open(path, encoding="utf-8", errors="replace") as f:

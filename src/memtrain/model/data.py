@@ -1,68 +1,27 @@
 """A run's inputs: text rows cut from the token store (memtrain.model.token_store, memtrain.model.sample_view),
-split into train and eval documents; chat rows (memtrain.model.chat_data); seeded random tokens.
+split into train and eval documents; chat rows from the chat store (memtrain.model.chat_store,
+memtrain.model.chat_data); seeded random tokens.
 
 Batches are a pure function of (step, micro-step, rank), so a resumed run reads exactly
 the samples an uninterrupted run would have read: no sampler state to save.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from memtrain.errors import NodeError, UserError
+from memtrain.errors import UserError
 from memtrain.config.recipe import DataSection
-from memtrain.model import order
+from memtrain.model import chat_data, order
 from memtrain.model.blend import BlendView
-from memtrain.model.corpus_reader import builder_for, resolve_files, source_sections
+from memtrain.model.corpus_reader import builder_for, resolve_files, source_sections  # noqa: F401 (builder_for: preflight)
 from memtrain.model.sample_view import SampleView, split_view
-from memtrain.model.token_store import build_once, open_store
+from memtrain.model.token_store import open_store
 from memtrain.model.tokenizer import build_tokenizer, save_tokenizer  # noqa: F401 (save_tokenizer: its old home)
-
-
-def _read_rows(files: list[Path], cfg: DataSection, cache_dir: Path) -> list[dict]:
-    """Chat/instruction rows (JSON lines or parquet) with the columns the format reads."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: memtrain's one line says so
-    from memtrain.model.chat_rows import columns
-
-    keys, optional = columns(cfg)
-    rows: list[dict] = []
-    for f in files:
-        builder = builder_for(f)
-        if builder == "text":
-            raise UserError(f"data.paths: {f}: data.format '{cfg.format}' reads JSON lines or parquet, not "
-                            f"{f.suffix or 'extensionless'} files")
-        try:
-            ds = datasets.load_dataset(builder, data_files=[str(f)], split="train", cache_dir=str(cache_dir / "hf"))
-        except Exception as e:  # a corrupt file surfaces as one of many datasets/arrow errors
-            raise NodeError(f"data.paths: cannot read {f}: {str(e).splitlines()[0]}") from None
-        missing = [k for k in keys if k not in ds.column_names]
-        if missing:
-            key = {cfg.messages_key: "messages_key", cfg.prompt_key: "prompt_key"}.get(missing[0], "response_key")
-            raise UserError(f"data.{key}: column '{missing[0]}' not in {f} (columns: {', '.join(ds.column_names)})")
-        rows.extend(ds.select_columns(keys + [k for k in optional if k in ds.column_names]).to_list())
-    return rows
-
-
-def _cache_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
-    h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    h.update(json.dumps([tokenizer.name, cfg.seq_len, cfg.max_bytes, cfg.text_key]).encode())
-    if cfg.format != "text":  # the rendering depends on the template and the columns too
-        template = getattr(tokenizer.hf, "chat_template", None)
-        h.update(json.dumps([str(template), cfg.model_dump(mode="json", exclude={"paths", "cache_dir"})],
-                            sort_keys=True).encode())
-    return h.hexdigest()[:20]
+from memtrain.model.chat_store import open_chat_samples
 
 
 # --------------------------------------------------------------------------- packed data
@@ -143,19 +102,14 @@ def to_device(batch, device: torch.device):
 
 def prepare_data(cfg: DataSection, seed: int, build: bool = True, split: Literal["train", "eval"] = "train"):
     """The run's rows: PackedData over the token store (built first when missing; `build=False` only opens it), the
-    documents of `split` (data.eval_fraction), or PackedChat for data.format chat / instruction
-    (memtrain.model.chat_data, train only)."""
+    documents of `split` (data.eval_fraction), or PackedChat for data.format chat / instruction (their store,
+    memtrain.model.chat_store, packed into rows of seq_len: memtrain.model.chat_data; train only)."""
     files = resolve_files(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.format != "text":
-        from memtrain.model import chat_data
-
-        chat_data.check_template(tokenizer, cfg)
-        cache_dir = Path(cfg.cache_dir)
-        cache_file = cache_dir / f"chat-{_cache_key(files, cfg, tokenizer)}"  # a directory (PackedChat.save)
-        build_once(cache_file, build, lambda tmp: chat_data.PackedChat.save(
-            tmp, *chat_data.build(_read_rows(files, cfg, cache_dir), tokenizer, cfg)))
-        return chat_data.PackedChat.load(cache_file, tokenizer.vocab_size, seed)
+        chat_data.check_template(tokenizer, cfg)  # the template the store renders with, and its key reads
+        samples = open_chat_samples(files, cfg, tokenizer, build)
+        return chat_data.PackedChat(samples, cfg, tokenizer.vocab_size, seed)
     if cfg.sources:
         return PackedData(_blend(cfg, tokenizer, seed, build, split), tokenizer.vocab_size, seed)
     store = open_store(files, cfg, tokenizer, build)

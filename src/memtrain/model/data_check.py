@@ -11,6 +11,7 @@ from pathlib import Path
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import UserError, not_utf8
+from memtrain.model.corpus_reader import builder_for
 
 HEAD = 1 << 16  # bytes of each text/JSON file looked at
 JSON_LINES = 20  # JSON lines parsed per file
@@ -24,8 +25,6 @@ def check_seq_len(data: DataSection) -> None:
 
 def check_data_files(files: list[Path], data: DataSection) -> None:
     """Each file's head: text, or JSON lines / parquet holding the column the data format reads."""
-    from memtrain.model.corpus_reader import builder_for
-
     column = column_read(data)
     for f in files:
         builder = builder_for(f)
@@ -103,7 +102,7 @@ def _check_record(f: Path, n: int, record, key: tuple[str, str], what: str = "li
 
 def _check_parquet(f: Path, key: tuple[str, str]) -> None:
     name, key = key
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # noqa: PLC0415 pyarrow: heavy, imported only when this runs
 
     try:
         names = pq.read_schema(f).names

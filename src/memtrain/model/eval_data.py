@@ -13,6 +13,7 @@ import numpy as np
 from memtrain.config.recipe import DataSection, TrainSection
 from memtrain.errors import UserError
 from memtrain.model.loss import IGNORE_INDEX
+from memtrain.model.data import prepare_data
 
 
 def has_eval_data(data: DataSection) -> bool:
@@ -51,7 +52,6 @@ def prepare_eval_data(data: DataSection, seed: int, build: bool = True):
     """The eval rows (PackedData or PackedChat, as for training), or None without eval data."""
     if not has_eval_data(data):
         return None
-    from memtrain.model.data import prepare_data
 
     if data.eval_paths:
         return prepare_data(eval_section(data), seed, build=build)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+from contextlib import ExitStack
+from unittest import mock
 
 from torch import nn
+import torch
 
 from memtrain.config.recipe import LoraSection
 from memtrain.errors import UserError
@@ -29,7 +32,7 @@ def lora_config(section: LoraSection, modules_to_save: tuple[str, ...] = ()):
     """peft's LoraConfig. `modules_to_save` (module paths) only when saving: while training those modules train in
     place (their parameters join train.trainable), never as peft's copies, which ZeRO-3's partitioned weights
     cannot be copied into."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # noqa: PLC0415 peft: heavy, imported only when this runs
 
     targets = section.target_modules if isinstance(section.target_modules, str) else list(section.target_modules)
     return LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout, target_modules=targets,
@@ -45,11 +48,7 @@ def add_lora(model: nn.Module, section: LoraSection, dtype=None, modules_to_save
     planner's fake-tensor model (memtrain.memory.profile), where they already are where peft would move
     them, and where `Module.to` fails (torch 2.13 cannot swap a fake parameter that the fake mode holds a
     weak reference to)."""
-    from contextlib import ExitStack
-    from unittest import mock
-
-    import torch
-    from peft import get_peft_model
+    from peft import get_peft_model  # noqa: PLC0415 peft: heavy, imported only when this runs
 
     try:
         with ExitStack() as stack:
@@ -110,7 +109,7 @@ def saved_modules(model: nn.Module, trained: set[str]) -> tuple[str, ...]:
 def _wrapped_state(peft_model, state: dict) -> dict:
     """`state` (the trained model's names) under the names peft gives a modules_to_save module: its trained copy
     (what the adapter saves) and the original it wraps."""
-    from peft.utils.other import ModulesToSaveWrapper
+    from peft.utils.other import ModulesToSaveWrapper  # noqa: PLC0415 peft: heavy, imported only when this runs
 
     model = peft_model.base_model.model
     tied = getattr(model, "_tied_weights_keys", None)

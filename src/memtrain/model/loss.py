@@ -103,7 +103,7 @@ def install_loss(model: nn.Module, fused: bool, sp_reduce: Optional[Callable] = 
     base = model.base_model
 
     def forward(self, input_ids=None, labels=None, position_ids=None, shift_labels=None, loss_divisor=None, **kwargs):
-        from transformers.modeling_outputs import CausalLMOutput
+        from transformers.modeling_outputs import CausalLMOutput  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
         hidden = base(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
         if shift_labels is None:

@@ -32,7 +32,7 @@ def route_experts(config) -> None:
     Idempotent; a no-op for a config without routed experts."""
     if not has_routed_experts(config):
         return
-    from transformers.integrations import moe
+    from transformers.integrations import moe  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     if getattr(moe._can_use_grouped_mm, "memtrain_bf16_only", False):
         return

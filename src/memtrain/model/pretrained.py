@@ -100,7 +100,7 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def _bin_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """A torch zip checkpoint: its central directory (at the end: a truncated file has none); the shapes from
     torch.load with mmap (the storages are mapped, not read)."""
-    import torch
+    import torch  # noqa: PLC0415 torch: heavy, imported only when this runs
 
     size = path.stat().st_size
     broken = f"model.pretrained: {path}: truncated or not a torch checkpoint"
@@ -146,7 +146,7 @@ def check_pretrained(section, model) -> None:
 
 def _overrides(section) -> list[tuple[str, Any, Any]]:
     """(key, recipe value, config.json value) for each model.config key that changes the checkpoint's config."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     own = AutoConfig.from_pretrained(section.pretrained, local_files_only=True)
     absent = object()
@@ -160,8 +160,8 @@ def _overrides(section) -> list[tuple[str, Any, Any]]:
 
 def _own_parameters(section) -> dict:
     """The parameters of the model the checkpoint's own config.json builds (on meta), by name."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch  # noqa: PLC0415 torch: heavy, imported only when this runs
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     own = AutoConfig.from_pretrained(section.pretrained, local_files_only=True)
     own.use_cache = False

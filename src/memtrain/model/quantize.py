@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from memtrain.config.recipe import QuantizationSection
+from memtrain.config.ds_config import engine_dtype, zero_stage
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 
@@ -43,7 +44,7 @@ def quantize_base(model: nn.Module, section: QuantizationSection, compute_dtype:
     """Swaps the linear layers of `quantized_layers` for bitsandbytes' Linear4bit in place, quantized on `device`
     (the rank's device: its 4-bit kernels run there); `compute_dtype` and `storage_dtype` when the section names
     none. Returns how many layers."""
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # noqa: PLC0415 bitsandbytes: heavy, imported only when this runs
 
     dtype = _DTYPES[section.compute_dtype or compute_dtype]
     storage = _DTYPES[section.storage_dtype or storage_dtype]
@@ -77,9 +78,7 @@ def packed_shapes(model: nn.Module) -> dict[str, set[tuple[int, ...]]]:
 
 def quantize_for_engine(model: nn.Module, section: QuantizationSection, ds_config: dict) -> int:
     """`quantize_base` on this rank's device (DeepSpeed's accelerator), computing in the resolved JSON's dtype."""
-    from deepspeed.accelerator import get_accelerator
-
-    from memtrain.config.ds_config import engine_dtype
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     dtype = engine_dtype(ds_config)
     return quantize_base(model, section, dtype, get_accelerator().current_device_name(),
@@ -88,13 +87,11 @@ def quantize_for_engine(model: nn.Module, section: QuantizationSection, ds_confi
 
 def storage_dtype(section: QuantizationSection, ds_config: dict) -> str:
     """model.quantization.storage_dtype, or its default: under ZeRO-3 the dtype DeepSpeed computes in, else uint8."""
-    from memtrain.config.ds_config import engine_dtype, zero_stage
-
     return section.storage_dtype or (engine_dtype(ds_config) if zero_stage(ds_config) == 3 else "uint8")
 
 
 def _quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # noqa: PLC0415 bitsandbytes: heavy, imported only when this runs
 
     return {path: m for path, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
@@ -103,7 +100,7 @@ def dequantized_state(model: nn.Module, state: dict) -> dict:
     """`state` (the trained model's state dict: its own, or ZeRO-3's consolidated one) with each 4-bit weight as the
     dense weight it stood for in the forward (dequantized in its compute dtype, then the dtype of the model's other
     weights) and without bitsandbytes' quant-state entries: what an unquantized base of the same shape loads."""
-    import bitsandbytes.functional as F
+    import bitsandbytes.functional as F  # noqa: PLC0415 bitsandbytes: heavy, imported only when this runs
 
     quantized = _quantized_modules(model)
     dense = next((v.dtype for k, v in state.items() if v.is_floating_point() and not _under(k, quantized)), None)

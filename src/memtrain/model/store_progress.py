@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Optional
 
 PROGRESS = "progress.json"
-FILES = ("tokens.bin", "offsets.bin", "doc_hash.bin")
 EVERY_S = 1.0  # at most one checkpoint a second: its fsyncs cost little against the chunks written between them
 
 
@@ -26,7 +25,8 @@ class Progress:
     documents: int = 0
     chars: int = 0
     position: Optional[dict] = None  # memtrain.model.corpus_reader's reading position after the last chunk
-    sizes: dict = field(default_factory=dict)  # bytes of each of FILES that hold the chunks
+    sizes: dict = field(default_factory=dict)  # bytes of each of the store's files that hold the chunks
+    skipped: dict = field(default_factory=dict)  # items not stored, by reason (chat samples: memtrain.model.chat_store)
     saved_at: float = field(default=0.0, repr=False)
 
     def describe(self) -> str:
@@ -42,32 +42,32 @@ def read(out: Path) -> Optional[Progress]:
         return None
 
 
-def resume(out: Path, format: int, dtype: str) -> tuple[Optional[Progress], str]:
+def resume(out: Path, format: int, dtype: str, files: tuple[str, ...]) -> tuple[Optional[Progress], str]:
     """The checkpoint to continue from, its files cut back to the lengths it recorded (what a killed build wrote
     after it is written again); or (None, why not) when the build must start again."""
     progress = read(out)
     if progress is None:
         return None, "it has no checkpoint"
-    if (progress.format, progress.dtype) != (format, dtype):
+    if (progress.format, progress.dtype, sorted(progress.sizes)) != (format, dtype, sorted(files)):
         return None, "its checkpoint is of another store format"
-    for name in FILES:
+    for name in files:
         path = out / name
         if not path.is_file() or path.stat().st_size < progress.sizes.get(name, -1):
             return None, f"its {name} is shorter than its checkpoint says"
-    for name in FILES:
+    for name in files:
         os.truncate(out / name, progress.sizes[name])
     progress.saved_at = time.monotonic()
     return progress, ""
 
 
-def save(out: Path, progress: Progress, handles: list, force: bool = False) -> None:
-    """Checkpoint the chunks written so far (at most every EVERY_S seconds unless `force`): the files flushed and
-    fsynced first, then the checkpoint written beside them and renamed into place, so it never names bytes that a
-    crash could lose."""
+def save(out: Path, progress: Progress, handles: dict, force: bool = False) -> None:
+    """Checkpoint the chunks written so far (`handles`: the store's open files by name; at most every EVERY_S
+    seconds unless `force`): the files flushed and fsynced first, then the checkpoint written beside them and renamed
+    into place, so it never names bytes that a crash could lose."""
     now = time.monotonic()
     if not force and now - progress.saved_at < EVERY_S:
         return
-    for name, f in zip(FILES, handles):
+    for name, f in handles.items():
         f.flush()
         os.fsync(f.fileno())
         progress.sizes[name] = f.tell()

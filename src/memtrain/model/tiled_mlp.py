@@ -31,7 +31,7 @@ def tiled_mlp_shards(setting: Union[int, str, None], seq_len: int, hidden: int) 
 
 
 def _tiled_class(cls: type, shards: int) -> type:
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     def plain(module, x):
         return cls.forward(module, x)

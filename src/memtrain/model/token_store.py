@@ -8,12 +8,16 @@ A store is a directory `<cache_dir>/store-<key>/`:
   doc_hash.bin  uint64 [documents]: a fixed-salt blake2b of each document's text (the eval split's coin)
   manifest.json written last: counts, dtype, the key's inputs; a directory without it is never read
 A build in progress also keeps progress.json (memtrain.model.store_progress), so a killed build continues.
+The build itself takes what it stores as `Contents`: text documents here, chat rows in memtrain.model.chat_store.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
+import functools
 import hashlib
 import itertools
+import multiprocessing
 import json
 import os
 import shutil
@@ -24,9 +28,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from memtrain.config.recipe import DataSection
 from memtrain.errors import UserError
@@ -38,18 +43,41 @@ MANIFEST = "manifest.json"
 CHUNK_CHARS = 4_000_000  # text per worker task: memory in flight is about 2 x workers x this
 CHUNK_DOCS = 4096
 SPLIT_SALT = b"memtrain-eval-split-1"  # fixed: the split does not move with train.seed
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a store holds and how a build makes it: text documents (`text_contents`) or chat samples
+    (memtrain.model.chat_store). `items(position)` yields (item, its size in characters, the reading position after
+    it) from a position (None: the start); `tokenize(chunk of items)` gives (ids end to end, tokens per stored
+    item, one array per file of `files` after tokens.bin and offsets.bin, the items skipped by reason); `max_chars`:
+    where reading stops (data.max_bytes for text; None: every file whole), for the progress bar."""
+
+    name: str
+    files: tuple[str, ...]
+    items: Callable[[Optional[dict]], Iterator[tuple[object, int, dict]]]
+    tokenize: Callable[[list], tuple[np.ndarray, np.ndarray, list, dict]]
+    max_chars: Optional[int] = None
+
+
 def default_workers() -> int:
     """The cores this process may run on (data.workers unset)."""
     return len(os.sched_getaffinity(0))
 
 
-def store_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
-    """What a store's tokens depend on: each file (resolved path, size, mtime), the tokenizer (name and a hash of
-    what it encodes), data.text_key and data.max_bytes; not seq_len, micro-batch or world size."""
+def files_hash(files: list[Path]):
+    """A sha256 fed with each file's resolved path, size and mtime: the files part of a store's key."""
     h = hashlib.sha256()
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h
+
+
+def store_key(files: list[Path], cfg: DataSection, tokenizer) -> str:
+    """What a store's tokens depend on: each file (resolved path, size, mtime), the tokenizer (name and a hash of
+    what it encodes), data.text_key and data.max_bytes; not seq_len, micro-batch or world size."""
+    h = files_hash(files)
     h.update(json.dumps([FORMAT, tokenizer.name, tokenizer.fingerprint, cfg.text_key, cfg.max_bytes]).encode())
     return h.hexdigest()[:20]
 
@@ -69,9 +97,9 @@ class TokenStore:
     @classmethod
     def open(cls, path: Path) -> "TokenStore":
         manifest = json.loads((path / MANIFEST).read_text())
-        tokens = _memmap(path / "tokens.bin", np.dtype(manifest["dtype"]))
-        return cls(path, tokens, _memmap(path / "offsets.bin", np.int64), _memmap(path / "doc_hash.bin", np.uint64),
-                   manifest)
+        tokens = memmap_file(path / "tokens.bin", np.dtype(manifest["dtype"]))
+        return cls(path, tokens, memmap_file(path / "offsets.bin", np.int64),
+                   memmap_file(path / "doc_hash.bin", np.uint64), manifest)
 
     @property
     def documents(self) -> int:
@@ -82,7 +110,8 @@ class TokenStore:
         return self.doc_hash < np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
 
 
-def _memmap(path: Path, dtype) -> np.ndarray:
+def memmap_file(path: Path, dtype) -> np.ndarray:
+    """A store's file memory-mapped read-only (an empty file as an empty array)."""
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")
@@ -92,8 +121,28 @@ def open_store(files: list[Path], cfg: DataSection, tokenizer, build: bool = Tru
     """The corpus's store, built first when missing (`build=False`: FileNotFoundError instead)."""
     target = Path(cfg.cache_dir) / f"store-{store_key(files, cfg, tokenizer)}"
     workers = cfg.workers or default_workers()
-    build_once(target, build, lambda tmp: write_store(tmp, files, cfg, tokenizer, workers))
+    build_once(target, build, lambda tmp: write_store(tmp, files, cfg, tokenizer, workers,
+                                                       text_contents(files, cfg, tokenizer)))
     return TokenStore.open(target)
+
+
+def store_dtype(tokenizer) -> np.dtype:
+    """uint16 where the vocabulary fits, else uint32."""
+    return np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+
+
+def text_contents(files: list[Path], cfg: DataSection, tokenizer) -> Contents:
+    """A text corpus's store: its documents, each followed by EOS, and each document's text hash."""
+    def items(position):
+        return ((text, len(text), after) for text, after in positioned_documents(files, cfg, position))
+
+    return Contents("text", ("tokens.bin", "offsets.bin", "doc_hash.bin"), items,
+                    functools.partial(_text_tokenize, tokenizer, store_dtype(tokenizer)), cfg.max_bytes)
+
+
+def _text_tokenize(tokenizer, dtype, chunk: list[str]):
+    ids, lengths, hashes = tokenize_chunk(chunk, tokenizer, dtype)
+    return ids, lengths, [hashes], {}
 
 
 # --------------------------------------------------------------------------- one builder per store
@@ -143,8 +192,6 @@ _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # floc
 
 def _lock(lock, target: Path) -> bool:
     """Take the build's exclusive lock: True; False, with one line, where the file system has no locks."""
-    import fcntl
-
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return True
@@ -193,27 +240,30 @@ def _fsync_dir(path: Path) -> None:
 
 # --------------------------------------------------------------------------- building a store
 
-def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, workers: int) -> dict:
+def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, workers: int, contents: Contents) -> dict:
     """Tokenize the corpus into the store directory `out` (see the module's docstring); returns its manifest. Where
     `out` holds a killed build's checkpoint (memtrain.model.store_progress), continue from its last chunk."""
     start = time.perf_counter()
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    progress = _continued_or_new(out, dtype)
-    handles = [open(out / name, "ab") for name in store_progress.FILES]
-    tokens_f, offsets_f, hash_f = handles
-    bar = _progress_bar(files, cfg, progress.chars)
+    dtype = store_dtype(tokenizer)
+    progress = _continued_or_new(out, dtype, contents.files)
+    handles = [open(out / name, "ab") for name in contents.files]
+    tokens_f, offsets_f, *extra_f = handles
+    bar = _progress_bar(files, contents.max_chars, progress.chars)
     try:
-        texts = positioned_documents(files, cfg, progress.position)
-        for chunk_chars, position, (ids, lengths, hashes) in _tokenized(_chunks(texts), tokenizer, dtype, workers):
+        chunks = _chunks(contents.items(progress.position))
+        for chunk_chars, position, (ids, lengths, extra, skipped) in _tokenized(chunks, contents.tokenize, workers):
             tokens_f.write(ids.tobytes())
             offsets_f.write((progress.tokens + np.cumsum(lengths)).tobytes())
-            hash_f.write(hashes.tobytes())
+            for f, array in zip(extra_f, extra):
+                f.write(array.tobytes())
             progress.tokens += int(lengths.sum())
             progress.documents += len(lengths)
             progress.chars += chunk_chars
             progress.chunks += 1
             progress.position = position
-            store_progress.save(out, progress, handles)
+            for why, n in skipped.items():
+                progress.skipped[why] = progress.skipped.get(why, 0) + n
+            store_progress.save(out, progress, dict(zip(contents.files, handles)))
             bar.update(chunk_chars)
     finally:
         bar.close()
@@ -222,11 +272,12 @@ def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, worke
             os.fsync(f.fileno())
             f.close()
     (out / store_progress.PROGRESS).unlink(missing_ok=True)
-    manifest = {"format": FORMAT, "documents": progress.documents, "tokens": progress.tokens, "chars": progress.chars,
-                "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id,
-                "tokenizer": tokenizer.name, "text_key": cfg.text_key, "max_bytes": cfg.max_bytes,
-                "files": [str(f.resolve()) for f in files], "workers": workers,
-                "seconds": round(time.perf_counter() - start, 3)}
+    manifest = {"format": FORMAT, "contents": contents.name, "documents": progress.documents, "tokens": progress.tokens,
+                "chars": progress.chars, "skipped": progress.skipped, "dtype": dtype.name,
+                "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id, "tokenizer": tokenizer.name,
+                "text_key": cfg.text_key, "max_bytes": contents.max_chars,
+                "files": [str(f.resolve()) for f in files],
+                "workers": workers, "seconds": round(time.perf_counter() - start, 3)}
     with open(out / MANIFEST, "w") as f:  # last: a directory without it was never finished
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -235,71 +286,66 @@ def write_store(out: Path, files: list[Path], cfg: DataSection, tokenizer, worke
     return manifest
 
 
-def _continued_or_new(out: Path, dtype: np.dtype) -> store_progress.Progress:
+def _continued_or_new(out: Path, dtype: np.dtype, files: tuple[str, ...]) -> store_progress.Progress:
     """A killed build's checkpoint in `out`, its files cut back to it; else `out` made afresh, with one line when a
     left build cannot be continued."""
     if out.exists():
-        progress, why = store_progress.resume(out, FORMAT, dtype.name)
+        progress, why = store_progress.resume(out, FORMAT, dtype.name, files)
         if progress is not None:
             return progress
         print(f"memtrain: data: the interrupted build in {out} cannot be continued ({why}); restarting it from the "
               "start", file=sys.stderr, flush=True)
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    for name in store_progress.FILES:
+    for name in files:
         (out / name).write_bytes(np.zeros(1, np.int64).tobytes() if name == "offsets.bin" else b"")
     return store_progress.Progress(FORMAT, dtype.name)
 
 
-def _progress_bar(files: list[Path], cfg: DataSection, done: int = 0):
+def _progress_bar(files: list[Path], max_chars: Optional[int], done: int = 0):
     """Bytes read, MB/s and ETA on the building process; off for a small corpus (done in seconds)."""
-    from tqdm import tqdm
-
     total = sum(f.stat().st_size for f in files)
-    total = min(total, cfg.max_bytes) if cfg.max_bytes else total
+    total = min(total, max_chars) if max_chars else total
     return tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="memtrain: tokenizing", dynamic_ncols=True,
                 mininterval=1.0, disable=total < 32_000_000 and not sys.stderr.isatty())
 
 
-def _chunks(texts: Iterator[tuple[str, dict]]) -> Iterator[tuple[list[str], dict]]:
-    """Documents in order, grouped into worker tasks of about CHUNK_CHARS characters, each with the reading position
-    after its last document. A chunk ends where the documents since the last one reach a size, so a build continued
+def _chunks(items: Iterator[tuple[object, int, dict]]) -> Iterator[tuple[list, int, dict]]:
+    """Items in order, grouped into worker tasks of about CHUNK_CHARS characters, each with its size and the reading
+    position after its last item. A chunk ends where the items since the last one reach a size, so a build continued
     from a chunk's end cuts the chunks that follow as an uninterrupted build does."""
-    chunk: list[str] = []
+    chunk: list = []
     size = 0
     position = None
-    for text, position in texts:
-        chunk.append(text)
-        size += len(text)
+    for item, chars, position in items:
+        chunk.append(item)
+        size += chars
         if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
-            yield chunk, position
+            yield chunk, size, position
             chunk, size = [], 0
     if chunk:
-        yield chunk, position
+        yield chunk, size, position
 
 
-def _tokenized(chunks: Iterator[tuple[list[str], dict]], tokenizer, dtype, workers: int):
-    """(characters, position, tokenize_chunk(chunk)) for each chunk, in chunk order whatever the worker count: one
-    worker, or a corpus of one chunk, tokenizes here; more run in forked processes, at most 2 x workers chunks in
-    flight."""
+def _tokenized(chunks: Iterator[tuple[list, int, dict]], tokenize: Callable, workers: int):
+    """(characters, position, tokenize(chunk)) for each chunk, in chunk order whatever the worker count: one worker,
+    or a corpus of one chunk, tokenizes here; more run in forked processes, at most 2 x workers chunks in flight."""
     chunks = iter(chunks)
     head = [c for c in (next(chunks, None), next(chunks, None)) if c is not None]
     if workers <= 1 or len(head) < 2:
-        for chunk, position in itertools.chain(head, chunks):
-            yield sum(map(len, chunk)), position, tokenize_chunk(chunk, tokenizer, dtype)
+        for chunk, size, position in itertools.chain(head, chunks):
+            yield size, position, tokenize(chunk)
         return
-    yield from _tokenized_in_pool(itertools.chain(head, chunks), tokenizer, dtype, workers)
+    yield from _tokenized_in_pool(itertools.chain(head, chunks), tokenize, workers)
 
 
-def _tokenized_in_pool(chunks: Iterator[list[str]], tokenizer, dtype, workers: int):
-    import multiprocessing
-
+def _tokenized_in_pool(chunks: Iterator[tuple[list, int, dict]], tokenize: Callable, workers: int):
     context = multiprocessing.get_context("fork")  # the tokenizer is inherited, not pickled
-    pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype))
+    pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenize,))
     try:
         pending: deque = deque()
-        for chunk, position in chunks:
-            pending.append((sum(map(len, chunk)), position, pool.apply_async(_tokenize_in_worker, (chunk,))))
+        for chunk, size, position in chunks:
+            pending.append((size, position, pool.apply_async(_tokenize_in_worker, (chunk,))))
             if len(pending) >= 2 * workers:
                 size, position, result = pending.popleft()
                 yield size, position, result.get()
@@ -315,18 +361,18 @@ def _tokenized_in_pool(chunks: Iterator[list[str]], tokenizer, dtype, workers: i
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer, dtype) -> None:
+def _init_worker(tokenize: Callable) -> None:
     """A worker forked from a run inherits its stop-signal handlers (memtrain.train.signals records SIGTERM rather than
     dying): a worker dies on SIGTERM (the pool's terminate) and leaves SIGINT and SIGUSR1 to the building process."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the pool is the parallelism
-    _WORKER.update(tokenizer=tokenizer, dtype=dtype)
+    _WORKER.update(tokenize=tokenize)
 
 
-def _tokenize_in_worker(chunk: list[str]):
-    return tokenize_chunk(chunk, _WORKER["tokenizer"], _WORKER["dtype"])
+def _tokenize_in_worker(chunk: list):
+    return _WORKER["tokenize"](chunk)
 
 
 def tokenize_chunk(texts: list[str], tokenizer, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

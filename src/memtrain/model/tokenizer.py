@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from memtrain.errors import NodeError
 
@@ -29,7 +30,7 @@ class HFTokenizer:
     """Any tokenizer saved in a local directory (AutoTokenizer, local files only)."""
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
         self.name = str(Path(path).resolve())
         try:
@@ -93,12 +94,11 @@ def _bytes_to_unicode() -> dict[int, str]:
 def save_tokenizer(spec: Optional[str], out: Path) -> None:
     """The run's tokenizer: a local HF tokenizer is copied; memtrain's 'byte' tokenizer (ids 0..255 =
     UTF-8 bytes, 256 = EOS) is written as an equivalent byte-level fast tokenizer."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     if spec not in ("byte", None):
         AutoTokenizer.from_pretrained(spec, local_files_only=True).save_pretrained(out)
         return
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     vocab["<eos>"] = 256

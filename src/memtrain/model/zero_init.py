@@ -20,8 +20,8 @@ from memtrain.model.build import build_model, model_class
 def build_model_zero3(section: ModelSection, config, ds_config: dict) -> nn.Module:
     """`build_model` under `deepspeed.zero.Init(ds_config)`; a from-config model then gets
     transformers' initialisation, module by module (only one module's parameters gathered at a time)."""
-    import deepspeed
-    from transformers.integrations.deepspeed import initialize_weights_zero3, prevent_arange_dtype_change
+    import deepspeed  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
+    from transformers.integrations.deepspeed import initialize_weights_zero3, prevent_arange_dtype_change  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     _import_model_class(config)
     if section.pretrained:
@@ -48,7 +48,7 @@ def _load_pretrained_zero3(section: ModelSection, config, ds_config: dict) -> nn
     each checkpoint tensor into its partitioned parameter (gathered one at a time). Without it, transformers
     would see every partitioned parameter's empty shape as a size mismatch and re-initialise it."""
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, prevent_arange_dtype_change, \
-        unset_hf_deepspeed_config
+        unset_hf_deepspeed_config  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     registered = HfDeepSpeedConfig(ds_config)  # transformers keeps a weak reference: hold it while loading
     try:
@@ -78,7 +78,7 @@ def _no_model_init(skip: bool):
     if not skip:
         yield
         return
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     original = PreTrainedModel.init_weights
     PreTrainedModel.init_weights = lambda self: None

@@ -30,7 +30,8 @@ import types
 from typing import Callable, Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch._dynamo.utils import compilation_time_metrics, counters, get_compilation_metrics
 
 from memtrain.recompute.policy import draws_random, op_rules
 
@@ -48,8 +49,6 @@ def _selective_contexts(entries: tuple[str, ...]):
     (memtrain.recompute.hooks.op_context_fn), decided once, in forward order, while the layer is traced. 'but-last'
     needs nothing here: AOTAutograd's partitioner saves only what the compiled backward reads, and an output that
     only feeds additions is not read."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     rules = op_rules(entries)
     # the trace asks in the forward and again in the recompute, whose count must start where the forward's did
     counts = {False: [0] * len(rules), True: [0] * len(rules)}
@@ -132,8 +131,6 @@ def _quiet_trace_warnings() -> None:
 # --------------------------------------------------------------------------- compiles, counted
 
 def _metrics() -> list:
-    from torch._dynamo.utils import get_compilation_metrics
-
     return get_compilation_metrics()
 
 
@@ -142,8 +139,6 @@ _KINDS = {"_forward": "a decoder layer", "_recompute": "a recomputed decoder lay
 
 
 def _graph_breaks() -> int:
-    from torch._dynamo.utils import counters
-
     return sum(counters["graph_break"].values())
 
 
@@ -181,8 +176,6 @@ class CompileWatch:
 def compile_seconds() -> float:
     """Seconds this process spent compiling, forward and backward (dynamo's own timers; a GPU kernel's autotuning at
     its first run is not in them)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
     return sum(sum(compilation_time_metrics.get(name, ())) for name in ("_compile.compile_inner",
                                                                          "backward._backward_impl"))
 

@@ -32,6 +32,8 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memtrain.errors import UserError
 from memtrain.recompute.meter import current_activation_meter
@@ -39,6 +41,8 @@ from memtrain.config.recompute_spec import RecomputeSpec
 from memtrain.recompute.policy import ATTN, FULL, KEEP, MLP, OP, SUBLAYER_NAMES, ACPlan, draws_random, op_rules
 from memtrain.recompute.offload import ActivationOffloader
 from memtrain.recompute.compiled import CompiledLayers, compiled_fn
+from memtrain.model.build import decoder_layers
+from memtrain.recompute import partition
 
 
 def op_context_fn(entries) -> Callable:
@@ -47,8 +51,6 @@ def op_context_fn(entries) -> Callable:
     Counting for 'name/N' restarts at every checkpointed call (torchtitan's "every second
     matmul" is `matmul/2`: the 1st, 3rd, ... calls are saved).
     """
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     rules = op_rules(entries)
 
     def context_fn():
@@ -113,8 +115,6 @@ class _LastMatmul:
     def drop_from(self, storage) -> None:
         """At the end of the unit's forward: torch 2.13 keeps one dict per op, call index -> entry, and replays
         the decisions stored there, so the last call's entry becomes its recompute marker."""
-        from torch.utils import checkpoint
-
         marker = getattr(checkpoint, "_RECOMPUTE", None)
         entries = storage.get(self.func) if self.func is not None else None
         if self.only_adds and marker is not None and isinstance(entries, dict) and entries:
@@ -201,7 +201,7 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
         eager = checkpoint_function(plan, index, offloader, offload)
         return lambda function, *args: eager(functools.partial(compiled.forward, function), *args)
     if plan.backend == "deepspeed":
-        import deepspeed
+        import deepspeed  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         base = deepspeed.checkpointing.checkpoint if plan.deepspeed_reentrant else \
             deepspeed.checkpointing.non_reentrant_checkpoint
@@ -214,7 +214,6 @@ def checkpoint_function(plan: ACPlan, index: Optional[int] = None,
         _retain(args, getattr(function, "keywords", None))
         if plan.backend != "deepspeed":
             return base(_observed(function), *args)
-        from memtrain.recompute import partition
 
         if partition.empties_inputs():  # the caller's tensors stay whole (output_hidden_states)
             args = partition.protect_inputs(args)
@@ -243,7 +242,7 @@ def configure_deepspeed_ac(spec: RecomputeSpec, number_checkpoints: Optional[int
     not copy too), partitioning only where it takes effect. Given as arguments, not as a config: DeepSpeed
     would build a whole DeepSpeedConfig from one and check its batch size against the mpu's data-parallel
     size. `mpu`: deepspeed.utils.groups when the run has a tensor-parallel group (memtrain.recompute.partition)."""
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     deepspeed.checkpointing.configure(mpu, **spec.deepspeed_kwargs(number_checkpoints))
 
@@ -359,7 +358,7 @@ def _checkpointed_forward(self, *args, **kwargs):
 
 
 def _checkpoint_module(module: nn.Module, fn: Callable) -> None:
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     if isinstance(module, GradientCheckpointingLayer):
         module.gradient_checkpointing = True
@@ -408,7 +407,7 @@ def _match_modules(model: nn.Module, patterns) -> list[str]:
 
 def remove_plan(model: nn.Module) -> None:
     """Undo `apply_plan` (no layer or module recomputed)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
@@ -435,8 +434,6 @@ def apply_plan(model: nn.Module, plan: ACPlan, compiled: Optional[CompiledLayers
     """Install `plan` on a causal LM (or directly on its decoder-layer list), replacing any
     earlier plan; with `compiled` (train.compile), every decoder layer runs compiled in training.
     Returns (and emits as RuntimeWarning) warnings about stateful modules."""
-    from memtrain.model.build import decoder_layers
-
     _, layers = decoder_layers(model)
     if len(layers) != len(plan.layers):
         raise ValueError(f"plan has {len(plan.layers)} layers, the model {len(layers)}")

@@ -369,7 +369,7 @@ class ActivationOffloader:
             out = checkpoint_fn(function, *args, **kwargs)
             self._on_backward(out, slot, restore=())
             return out
-        from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+        from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         if ds_checkpointing.CPU_CHECKPOINT:
             raise RuntimeError("memtrain offload: DeepSpeed's own CPU_CHECKPOINT is on as well; configure "

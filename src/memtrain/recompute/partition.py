@@ -4,6 +4,7 @@ and say in the start-up plan what is partitioned and how many bytes each rank ke
 from __future__ import annotations
 
 from typing import Optional
+import dataclasses
 
 import torch
 
@@ -20,7 +21,7 @@ def tp_mpu(plan, tp: int):
     partitioning silently shards nothing."""
     if tp <= 1:
         return None
-    from deepspeed.utils import groups
+    from deepspeed.utils import groups  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     if groups._TENSOR_MODEL_PARALLEL_GROUP is None:
         raise RuntimeError("partitioned activation checkpoints: configure after deepspeed.initialize, "
@@ -31,7 +32,7 @@ def tp_mpu(plan, tp: int):
 def check_configured(plan, tp: int) -> None:
     """DeepSpeed shards across exactly the run's tensor-parallel group (not silently across none)."""
     if plan.partition_activations and plan.backend == "deepspeed":
-        from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+        from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         if ds_checkpointing.mp_size != tp:
             raise RuntimeError(f"partitioned activation checkpoints: DeepSpeed shards across {ds_checkpointing.mp_size} "
@@ -41,7 +42,7 @@ def check_configured(plan, tp: int) -> None:
 def empties_inputs() -> bool:
     """Whether DeepSpeed's checkpoint will empty its callers' input tensors in place
     (`arg.data = torch.empty([])`): it does when it partitions or copies them to host itself."""
-    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     return bool(ds_checkpointing.PARTITION_ACTIVATIONS or ds_checkpointing.CPU_CHECKPOINT)
 
@@ -90,8 +91,6 @@ def checkpoint_input_bytes(plan, config, micro_batch: int, seq_len: int, dtype_b
 
 def with_expected_bytes(plan, config, recipe, resolved_ds_config: dict):
     """`plan` with `checkpoint_input_bytes` filled when its checkpoints are partitioned (for the plan line)."""
-    import dataclasses
-
     if plan.tp_size <= 1 or not plan.partition_activations:
         return plan
     half = any((resolved_ds_config.get(k) or {}).get("enabled") is True for k in ("bf16", "fp16"))

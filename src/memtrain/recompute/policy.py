@@ -12,6 +12,7 @@ from memtrain.config.recipe import DEFAULT_OP_SAVE, ACSection
 from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.errors import UserError
 from memtrain.recompute.offload import PREFETCH_DEPTH, offload_flags, offload_units
+from memtrain.recompute.partition import partition_line
 
 KEEP, FULL, ATTN, MLP, OP = "keep", "full", "attn", "mlp", "op"
 LAYER_MODES = (KEEP, FULL, ATTN, MLP, OP)
@@ -192,7 +193,6 @@ class ACPlan:
         partition = ("partition_activations: on, checkpointed inputs are sharded across the tensor-parallel group"
                      if self.partition_activations else "partition_activations: off")
         offload = self._describe_offload()
-        from memtrain.recompute.partition import partition_line
 
         partitioned = partition_line(self, self.tp_size, self.checkpoint_input_bytes)
         lines += [f"  {line}" for line in self.notes]
@@ -318,7 +318,7 @@ def _resolve_ops(name: str, entry: str) -> frozenset:
     for qualified in names:
         namespace, _, qualified = qualified.rpartition("::")
         if namespace == "transformers":
-            import transformers.integrations.moe  # noqa: F401  (registers its ops)
+            import transformers.integrations.moe  # noqa: F401, PLC0415 transformers: heavy, only here (registers its ops)
         packet_name, _, overload = qualified.partition(".")
         ops_of = getattr(torch.ops, namespace or "aten")
         packet = getattr(ops_of, packet_name, None) if packet_name.isidentifier() else None

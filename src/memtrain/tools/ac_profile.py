@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from memtrain.recompute.policy import DEFAULT_OP_SAVE, OP, ACPlan, plan_for
 from memtrain.recompute.hooks import apply_plan, observe_recompute
@@ -39,6 +40,9 @@ from memtrain.memory.flops import flop_counter
 from memtrain.errors import UserError, cli_entry
 from memtrain.tools.flags import AC_PROFILE_SEQ_LEN, ac_profile_parser
 from memtrain.recompute.meter import ActivationMeter, StepTracker
+from memtrain.config.recipe import load_recipe
+from memtrain.model.build import build_config, build_model, decoder_layers
+from memtrain.model.data import build_tokenizer
 
 COLUMNS = ("policy", "layers", "activation_bytes", "peak_backward_bytes", "flops_total", "recompute_overhead",
            "max_grad_rel_err", "note")  # note: why a policy is n/a for this model
@@ -136,11 +140,6 @@ def format_table(rows: list[dict]) -> str:
 
 def profile(recipe, policies: Optional[list[str]], seq_len: int, batch: int) -> tuple[list[dict], str]:
     """Measure each policy (after 'none', the reference) on the recipe's model; rows + header line."""
-    from tqdm import tqdm
-
-    from memtrain.model.data import build_tokenizer
-    from memtrain.model.build import build_config, build_model, decoder_layers
-
     config = build_config(recipe.model, build_tokenizer(recipe.data.tokenizer).vocab_size, seq_len)
     section = recipe.activation_checkpointing
     L = config.num_hidden_layers
@@ -186,8 +185,6 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
-    from memtrain.config.recipe import load_recipe
-
     args = ac_profile_parser().parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     seq_len = args.seq_len or min(recipe.data.seq_len, AC_PROFILE_SEQ_LEN)

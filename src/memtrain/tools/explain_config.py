@@ -38,7 +38,7 @@ def _noop(key: str, raw: dict, resolved: dict, spec: Optional[RecomputeSpec]) ->
             return "ZeRO stage 0 partitions nothing"
         if ("stage3_" in rest or rest.startswith(("offload_param", "sub_group_size"))) and stage < 3:
             return "ZeRO-3 only"
-        import torch  # here, not at the top: --help must not wait for it
+        import torch  # noqa: PLC0415 here, not at the top: --help must not wait for it
 
         if rest.endswith("pin_memory") and not torch.cuda.is_available():
             return "no device here: nothing to pin for"
@@ -58,7 +58,7 @@ def _noop(key: str, raw: dict, resolved: dict, spec: Optional[RecomputeSpec]) ->
 
 
 def explain(args: RunArgs) -> list[str]:
-    from memtrain.train.preflight import resolve_run
+    from memtrain.train.preflight import resolve_run  # noqa: PLC0415 pulls numpy, torch: heavy, kept off --help
 
     world_size = args.world_size or 1
     raw, source = args.ds_config, args.ds_config_path
@@ -71,7 +71,7 @@ def explain(args: RunArgs) -> list[str]:
     calls = len(checked.plan.offload_units) if checked else 0
     resolved = resolve_ds_config(raw, args.recipe, world_size, Path("<run dir>"), calls, hidden_size=hidden)
     spec = checked.spec if checked else None
-    from memtrain.config import ds_checks
+    from memtrain.config import ds_checks  # noqa: PLC0415 pulls torch: heavy, kept off --help
 
     problems = [error] if error else []
     for check in (ds_checks.check_optimizer, ds_checks.check_dtype_support, ds_checks.check_nvme):
@@ -101,15 +101,15 @@ def explain(args: RunArgs) -> list[str]:
     for key in added:
         lines.append(f"{key} (not in the JSON): memtrain sets {json.dumps(get(resolved, key))}")
     if "optimizer" not in raw:
-        from memtrain.config.ds_validate import schedule_kwargs
-        from memtrain.train.optimizer import optimizer_name
+        from memtrain.config.ds_validate import schedule_kwargs  # noqa: PLC0415 pulls torch: heavy, kept off --help
+        from memtrain.train.optimizer import optimizer_name  # noqa: PLC0415 pulls torch: heavy, kept off --help
 
         lines.append(f"optimizer (no section): memtrain builds {optimizer_name(resolved)} from train.lr/adam_betas/"
                      "adam_eps/weight_decay")
         if "scheduler" not in raw:
             lines.append(f"scheduler (no section): memtrain builds WarmupCosineLR {schedule_kwargs(args.recipe)}")
     elif "scheduler" not in raw:
-        from memtrain.config.ds_validate import schedule_kwargs
+        from memtrain.config.ds_validate import schedule_kwargs  # noqa: PLC0415 pulls torch: heavy, kept off --help
 
         lines.append(f"scheduler (no section): memtrain builds WarmupCosineLR {schedule_kwargs(args.recipe)}")
     if error:

@@ -9,19 +9,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Optional
+import contextlib
+import io
 
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.train.run_dir import RunDir
 
 
 def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None) -> Path:
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415 deepspeed: heavy, kept off --help
 
-    from memtrain.config.recipe import Recipe
-    from memtrain.model.build import build_config, build_model
-    from memtrain.model.data import build_tokenizer
-    from memtrain.train import checkpoint
-    from memtrain.train.final import write_model
+    from memtrain.config.recipe import Recipe  # noqa: PLC0415 pulls pydantic: heavy, kept off --help
+    from memtrain.model.build import build_config, build_model  # noqa: PLC0415 pulls pydantic, torch: heavy, kept off --help
+    from memtrain.model.data import build_tokenizer  # noqa: PLC0415 pulls numpy, pydantic, torch: heavy, kept off --help
+    from memtrain.train import checkpoint  # noqa: PLC0415 pulls numpy, torch: heavy, kept off --help
+    from memtrain.train.final import write_model  # noqa: PLC0415 pulls numpy, pydantic, torch: heavy, kept off --help
 
     config_path = RunDir(run_dir).config_file
     if not config_path.is_file():
@@ -45,8 +47,6 @@ def export(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = None
     out = out or run_dir / f"export-{tag}"
     tokenizer = build_tokenizer(recipe.data.tokenizer)
     config = build_config(recipe.model, tokenizer.vocab_size, recipe.data.seq_len)
-    import contextlib
-    import io
 
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
@@ -61,9 +61,9 @@ def _saved_with_adapters(recipe, config) -> tuple[str, ...]:
     """With LoRA, the modules that trained whole beside the adapters (named on the meta model: nothing allocated)."""
     if recipe.model.lora is None:
         return ()
-    from memtrain.model.build import build_on_meta
-    from memtrain.model.freeze import saved_with_adapters
-    from memtrain.model.lora import add_lora
+    from memtrain.model.build import build_on_meta  # noqa: PLC0415 pulls pydantic, torch: heavy, kept off --help
+    from memtrain.model.freeze import saved_with_adapters  # noqa: PLC0415 pulls pydantic, torch: heavy, kept off --help
+    from memtrain.model.lora import add_lora  # noqa: PLC0415 pulls pydantic, torch: heavy, kept off --help
 
     model = build_on_meta(recipe.model, config)
     add_lora(model, recipe.model.lora)

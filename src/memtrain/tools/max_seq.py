@@ -27,6 +27,8 @@ from memtrain.memory.target import make_target, model_and_config
 from memtrain.recompute.policy import FULL, KEEP
 from memtrain.model.loss import fused_unsupported
 from memtrain.units import GIB
+from memtrain.errors import UserError
+from memtrain.train.sequence_parallel import check
 
 POLICIES = (("none", LayerChoice(KEEP)), ("full", LayerChoice(FULL)), ("full+offload", LayerChoice(FULL, offload=True)))
 RANKS_PER_NODE = 8  # GPUs of one node that share its host memory (capped by the world size)
@@ -77,9 +79,6 @@ def sequence_sizes(config, world: int, stage: int = 3) -> list[int]:
     """Sequence-parallel sizes a run would take: those memtrain.train.sequence_parallel.check lets through for
     the world, the heads and the model's attention (a sliding window is checked against the sequence there, at
     the run's own length; here each size is asked at its shortest)."""
-    from memtrain.errors import UserError
-    from memtrain.train.sequence_parallel import check
-
     def allowed(s: int) -> bool:
         try:
             check(s, config, s, world, stage, getattr(config, "_attn_implementation", None))

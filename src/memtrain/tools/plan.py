@@ -11,23 +11,31 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, replace, replace as with_
 from typing import Optional
+
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.recompute.policy import build_plan
 from memtrain.errors import UserError, cli_entry
 from memtrain.units import GIB, parse_size
 from memtrain.model.eval_data import has_eval_data
 from memtrain.model.moe import experts_line
-from memtrain.memory.predict import LayerChoice, eval_peak, predict, predict_plan
-from memtrain.memory.profile import MODULES, ActivationProfile, profile_activations
+from memtrain.memory.predict import LayerChoice, eval_peak, plan_choices, predict, predict_plan
+from memtrain.memory.profile import MODULES, ActivationProfile, fake_model, profile_activations
 from memtrain.memory.rates import measure_rates
 from memtrain.memory.states import model_states
 from memtrain.memory.target import make_target, model_and_config, recompute_spec
-from memtrain.tools.max_seq import largest
+from memtrain.tools.max_seq import format_max_seq, host_memory_bytes, largest, max_seq_report
 from memtrain.tools.flags import plan_parser
 from memtrain.memory.planner import (activation_limit, available_choices, choice_seconds, feasible, may_offload,
                                      predicted_plan, smallest_peak, what_fits)
+from memtrain.config.ds_config import load_ds_config, zero_stage
+from memtrain.config.ds_validate import check_tensor_parallel
+from memtrain.config.recipe import ACSection, load_recipe
+from memtrain.tools.plan_calibrate import run_calibrate
+from memtrain.tools.plan_search import run_search
+from memtrain.tools.plan_verify import check_verify_args, verify_cli
 
 POLICY_OF = {"keep": "none", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp", "full": "full",
              "full+offload": "full + cpu_checkpointing"}  # a LayerChoice as printed -> the policy it is
@@ -60,8 +68,6 @@ def _fits(profile: ActivationProfile, states, choices, budget: int, uniform: Opt
 
 
 def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str], budget: Optional[int]) -> dict:
-    from memtrain.config.ds_config import zero_stage
-
     spec = recompute_spec(recipe, ds_config, device, world_size)
     target = make_target(recipe, ds_config, world_size, spec=spec)
     config = model_and_config(recipe)
@@ -148,10 +154,6 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
 def _extra_rows(spec, num_layers: int) -> dict:
     """Rows beside the uniform per-layer modes: sqrt segments, and the recipe's own policy where
     it is none of the rows (modules patterns, every:K, first:N, ...), each under the run's spec."""
-    from dataclasses import replace as with_
-
-    from memtrain.config.recipe import ACSection
-
     # sqrt with the default segment length, whatever the recipe's own policy keys say
     rows = {"sqrt": build_plan(with_(spec, policy="sqrt", partition_activations=False,
                                      section=ACSection(policy="sqrt")), num_layers)}
@@ -165,11 +167,6 @@ def _extra_rows(spec, num_layers: int) -> dict:
 
 
 def plan_choices_of(config, target, plan) -> tuple[LayerChoice, ...]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memtrain.memory.predict import plan_choices
-    from memtrain.memory.profile import fake_model
-
     with FakeTensorMode(allow_non_fake_inputs=True):
         return plan_choices(plan, fake_model(config, 1, target), config.num_hidden_layers)[0]
 
@@ -257,9 +254,6 @@ def format_report(r: dict) -> str:
 
 @cli_entry
 def main(argv: Optional[list[str]] = None) -> None:
-    from memtrain.config.ds_config import load_ds_config
-    from memtrain.config.recipe import load_recipe
-
     args = plan_parser().parse_args(argv)
     if args.ngpus < 1:
         raise UserError(f"--ngpus: must be positive (got {args.ngpus})")
@@ -267,27 +261,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     recipe = load_recipe(args.recipe, args.overrides)
     ds_config = load_ds_config(args.deepspeed)
     if args.calibrate_from:
-        from memtrain.tools.plan_calibrate import run_calibrate
-
         run_calibrate(args)
         return
     if args.search:
-        from memtrain.tools.plan_search import run_search
-        from memtrain.tools.plan_verify import check_verify_args, verify_cli
-
         check_verify_args(args, recipe.train.metric_warmup_steps)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the result
-            import deepspeed  # noqa: F401  (its import-time log lines)
+            import deepspeed  # noqa: F401, PLC0415 deepspeed: heavy, only --search needs it (its import-time log lines)
         result, hw, out = run_search(args, recipe, ds_config)
         if args.verify:
             verify_cli(args, result, recipe, hw, out)
         return
-    from memtrain.config.ds_validate import check_tensor_parallel
 
     check_tensor_parallel(ds_config, args.deepspeed, model_and_config(recipe), args.ngpus)
     if args.max_seq:
-        from memtrain.tools.max_seq import format_max_seq, host_memory_bytes, max_seq_report
-
         if budget is None:
             raise UserError("--max-seq: needs --budget (make plan BUDGET=80GiB ARGS=--max-seq)")
         host = parse_size(args.host_budget, "--host-budget") if args.host_budget else host_memory_bytes()

@@ -31,7 +31,7 @@ def _cpu() -> str:
 
 
 def _timed_search(recipe, ds, hw, nodes: int, tokens: int):
-    from memtrain.memory.search import search
+    from memtrain.memory.search import search  # noqa: PLC0415 pulls numpy, pydantic, torch: heavy, kept off --help
 
     t0 = time.perf_counter()
     result = search(recipe, ds, hw, nodes, tokens)
@@ -39,11 +39,11 @@ def _timed_search(recipe, ds, hw, nodes: int, tokens: int):
 
 
 def report(recipe_path: str, hw_path: str, nodes: int, tokens: int) -> str:
-    import torch
+    import torch  # noqa: PLC0415 torch: heavy, kept off --help
 
-    from memtrain.config.ds_config import load_ds_config
-    from memtrain.config.recipe import load_recipe
-    from memtrain.memory.hardware import load_hardware
+    from memtrain.config.ds_config import load_ds_config  # noqa: PLC0415 pulls pydantic: heavy, kept off --help
+    from memtrain.config.recipe import load_recipe  # noqa: PLC0415 pulls pydantic: heavy, kept off --help
+    from memtrain.memory.hardware import load_hardware  # noqa: PLC0415 pulls pydantic: heavy, kept off --help
 
     torch.set_num_threads(1)
     recipe, ds, hw = load_recipe(recipe_path), load_ds_config("ds_configs/zero3_ckpt.json"), load_hardware(hw_path)

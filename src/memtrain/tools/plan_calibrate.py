@@ -51,7 +51,7 @@ def write_calibration(report_path: Path, out: Path) -> dict:
 
 def run_calibrate(args) -> None:
     """`python -m memtrain plan --calibrate-from JSON --hardware SHEET [--calibration FILE]`."""
-    from memtrain.memory.hardware import calibration_path, load_hardware
+    from memtrain.memory.hardware import calibration_path, load_hardware  # noqa: PLC0415 pulls pydantic: heavy, imported only when this runs
 
     if not args.hardware:
         raise UserError("--calibrate-from: needs --hardware FILE (the sheet it calibrates)")

@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+from tqdm import tqdm
 
 from memtrain.errors import UserError
-from memtrain.memory.hardware import Hardware
+from memtrain.memory.hardware import Hardware, load_hardware
 from memtrain.memory.score import Scored
 from memtrain.memory.search import SearchResult, family_of, search
-from memtrain.units import GIB
+from memtrain.units import GIB, parse_size
+from memtrain.memory.target import model_and_config
+from memtrain.tools.max_seq import sequence_sizes
 
 COLUMNS = ("#", "ZeRO", "offload", "TP", "SP", "mb", "GA", "recompute (layers)", "peak GiB", "host GiB/node",
            "step s", "tokens/s", "MFU", "binds")
@@ -79,10 +82,10 @@ def pareto(scored: list[Scored]) -> list[Scored]:
 
 
 def plot(scored: list[Scored], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 matplotlib: heavy, imported only when this runs
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 matplotlib: heavy, imported only when this runs
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.scatter([s.peak / GIB for s in scored], [s.tokens_per_s for s in scored], s=8, alpha=0.4,
@@ -118,11 +121,6 @@ def write_plan(result: SearchResult, recipe, best: Scored, out: Path) -> tuple[P
 
 def run_search(args, recipe, ds_config: dict) -> tuple[SearchResult, Hardware, Path]:
     """The --search branch of `python -m memtrain plan`: the result, the hardware it used, where the winner went."""
-    from memtrain.memory.hardware import load_hardware
-    from memtrain.memory.target import model_and_config
-    from memtrain.tools.max_seq import sequence_sizes
-    from memtrain.units import parse_size
-
     if not args.hardware or args.nodes is None or args.global_batch_tokens is None:
         raise UserError("--search: needs --hardware FILE, --nodes N and --global-batch-tokens T")
     if args.nodes < 1 or args.global_batch_tokens < 1:
@@ -151,8 +149,6 @@ def run_search(args, recipe, ds_config: dict) -> tuple[SearchResult, Hardware, P
 
 
 def _bar(items):
-    from tqdm import tqdm
-
     return tqdm(items, desc="search (TP x SP x offload families)", file=sys.stderr)
 
 

@@ -6,8 +6,9 @@ Each configuration is written as `plans/<name>/verify/<i>/ds.json` + `recipe.yam
 winner) and a one-point sweep file beside them, run by `memtrain.tools.sweep.run_sweep` with the local launcher
 (`deepspeed`, one process per GPU, or gloo ranks on a CPU machine) or Slurm (`--launcher slurm`). The measured figures
 are the runs' own summary.json: `throughput/tokens_per_s` (median after warm-up) and `memory/peak_allocated_gib`
-(CUDA's allocator; a CPU run has none). Measured GPU runs feed the sheet's calibration file: `efficiency.compute`
-scaled by the median of measured over predicted tokens/s.
+(CUDA's allocator; a CPU run has none). Measured runs on the sheet's device feed its calibration file: a GPU
+sheet's `efficiency.compute` scaled by the median of measured over predicted tokens/s; a CPU sheet's (the CPU
+proxy) overhead rates, fitted to the measured steps.
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ from memtrain.errors import UserError
 from memtrain.memory.score import Scored
 from memtrain.memory.search import SearchResult
 from memtrain.units import GIB
+from memtrain.memory.hardware import calibration_path, load_hardware
+from memtrain.memory.overhead_fit import fit_overheads
+from memtrain.tools.plan_search import write_plan
+from memtrain.tools.sweep import run_sweep
+from memtrain.tools.sweep_points import load_sweep, read_summary
 
 RANDOM_EXTRA = 3  # random feasible configurations beside the top K: the ranking is checked below the top too
 
@@ -71,13 +77,14 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
 def write_points(result: SearchResult, recipe, picks: list[int], out: Path, steps: int) -> list[tuple[int, Path]]:
     """Per pick: its JSON and recipe (as --search writes the winner's) and a one-point sweep file running `steps`
     steps; returns (index, sweep file)."""
-    from memtrain.tools.plan_search import write_plan
-
     sweeps = []
     for n, i in enumerate(picks):
-        where = out / "verify" / f"{n + 1:02d}-rank{i + 1}"
+        # the configuration in the name: the sweep runner keeps a finished run of the same name and command, so a
+        # ranking that changed (another sheet or calibration) must not read another configuration's run
+        name = f"{n + 1:02d}-rank{i + 1}-{config_slug(result.scored[i])}"
+        where = out / "verify" / name
         ds_path, recipe_path = write_plan(result, recipe, result.scored[i], where)
-        spec = {"name": f"{out.name}-verify-{n + 1:02d}-rank{i + 1}", "recipe": str(recipe_path),
+        spec = {"name": f"{out.name}-verify-{name}", "recipe": str(recipe_path),
                 "deepspeed": str(ds_path), "grid": {"train.max_steps": [steps]}, "launcher": {"gpus_per_run": result.world}}
         path = where / "sweep.yaml"
         path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
@@ -85,10 +92,13 @@ def write_points(result: SearchResult, recipe, picks: list[int], out: Path, step
     return sweeps
 
 
+def config_slug(s: Scored) -> str:
+    """A configuration's label as a file name: z3-off-opt+param-tp1-sp2-mb1-ga16."""
+    return s.config.label().replace(" ", "-").replace(":", "-")
+
+
 def measured(result: SearchResult, i: int, run_dir: Path) -> Verified:
     """What a verify run's summary.json says of configuration `i`."""
-    from memtrain.tools.sweep_points import read_summary
-
     summary = read_summary(run_dir) or {}
     metrics = summary.get("metrics") or {}
     peak_gib = metrics.get("memory/peak_allocated_gib")
@@ -101,9 +111,6 @@ def measured(result: SearchResult, i: int, run_dir: Path) -> Verified:
 def run_verify(result: SearchResult, recipe, out: Path, k: int, steps: int, launcher: Optional[str],
                gpus_per_node: int, extra: int = RANDOM_EXTRA) -> list[Verified]:
     """Write, run (sweep runner) and read back the picked configurations."""
-    from memtrain.tools.sweep import run_sweep
-    from memtrain.tools.sweep_points import load_sweep
-
     if result.world > gpus_per_node and (launcher or "deepspeed") == "deepspeed":
         raise UserError(f"--verify: {result.world} ranks span nodes; the local launcher runs one node "
                         "(--launcher slurm)")
@@ -145,35 +152,48 @@ def summary_line(rows: list[Verified]) -> str:
 
 
 def calibrate(rows: list[Verified], hw_path: Path, cal_path: Path) -> Optional[str]:
-    """Scale the calibration file's `efficiency.compute` by the median measured/predicted tokens/s of GPU runs
-    (the whole step's ratio put on its compute term: close where compute binds); None (nothing written) without
-    a measured GPU run: a CPU run does not calibrate a GPU's sheet."""
-    from memtrain.memory.hardware import load_hardware
+    """Feed the calibration file from measured runs on the sheet's device; None (nothing written) without one.
 
-    done = [r for r in rows if r.tokens_per_s and r.device == "cuda"]
+    A GPU sheet: `efficiency.compute` scaled by the median measured/predicted tokens/s (the whole step's ratio
+    put on its compute term: close where compute binds). A CPU sheet (the CPU proxy): the overhead rates fitted
+    to what the measured steps took beyond the model's other terms (`memtrain.memory.overhead_fit`)."""
+    hw = load_hardware(hw_path, cal_path if cal_path.is_file() else None)
+    done = [r for r in rows if r.tokens_per_s and r.device == hw.device]
     if not done:
         return None
-    ratio = statistics.median(r.tokens_per_s / r.scored.tokens_per_s for r in done)
-    hw = load_hardware(hw_path, cal_path if cal_path.is_file() else None)
     data = yaml.safe_load(cal_path.read_text(encoding="utf-8")) if cal_path.is_file() else {}
     data = data if isinstance(data, dict) else {}
-    data["source"] = f"memtrain plan --verify: {len(done)} measured runs, median measured/predicted {ratio:.3f}"
-    data.setdefault("efficiency", {})["compute"] = round(hw.compute_efficiency * ratio, 4)
+    if hw.device == "cpu":
+        figures = overhead_figures(done)
+        data["source"] = f"memtrain plan --verify: overhead fitted to {len(done)} measured CPU runs"
+        data["overhead"] = {k: float(f"{v:.4g}") for k, v in figures.items()}
+    else:
+        ratio = statistics.median(r.tokens_per_s / r.scored.tokens_per_s for r in done)
+        data["source"] = f"memtrain plan --verify: {len(done)} measured runs, median measured/predicted {ratio:.3f}"
+        data.setdefault("efficiency", {})["compute"] = round(hw.compute_efficiency * ratio, 4)
     cal_path.parent.mkdir(parents=True, exist_ok=True)
     cal_path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     load_hardware(hw_path, cal_path)  # the file must load over its sheet
-    return f"{cal_path}: efficiency.compute {data['efficiency']['compute']} ({data['source']})"
+    changed = data["overhead"] if hw.device == "cpu" else {"efficiency.compute": data["efficiency"]["compute"]}
+    return f"{cal_path}: {', '.join(f'{k} {v:g}' for k, v in changed.items())} ({data['source']})"
+
+
+def overhead_figures(done: list[Verified]) -> dict[str, float]:
+    """The overhead rates that fit the measured step seconds beyond the model's other terms."""
+    extra = []
+    for r in done:
+        measured_s = r.scored.time.seconds * r.scored.tokens_per_s / r.tokens_per_s
+        extra.append(measured_s - (r.scored.time.seconds - r.scored.time.terms.get("overhead", 0.0)))
+    return fit_overheads([r.scored.time.counts for r in done], extra)
 
 
 def verify_cli(args, result: SearchResult, recipe, hw, out: Path) -> None:
     """--verify K: run the picked configurations, print predicted against measured, feed the calibration file."""
-    from memtrain.memory.hardware import calibration_path
-
     rows = run_verify(result, recipe, out, args.verify, args.verify_steps, args.launcher, hw.gpus_per_node)
     print(format_verify(rows))
     cal = Path(args.calibration) if args.calibration else calibration_path(Path(args.hardware))
     line = calibrate(rows, Path(args.hardware), cal)
-    print(line or "calibration: not changed (no measured GPU run: CPU runs do not calibrate a GPU sheet)")
+    print(line or f"calibration: not changed (no measured {hw.device} run: runs calibrate a sheet of their own device)")
 
 
 def check_verify_args(args, warmup_steps: int) -> None:

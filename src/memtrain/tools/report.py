@@ -20,6 +20,7 @@ from memtrain.tools.sweep_points import (DEFAULT_SWEEP, DS_KEY, Point, Sweep, ad
 from memtrain.tools.tb import read_scalars
 from memtrain.train.run_dir import RunDir
 from memtrain.units import GIB, parse_size
+from memtrain.tools.report_seq import plot_vs_seq_len
 
 POLICY_KEY = "activation_checkpointing.policy"
 AFTER_WARMUP_TAG = "throughput/tokens_per_s"  # logged only after warm-up
@@ -190,10 +191,10 @@ def _variant(row: dict, swept: list[str]) -> str:
 
 
 def _figure(rows: list[dict], swept: list[str]):
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     fig, ax = plt.subplots(figsize=(10, 5.5))
     return fig, ax, any(r["status"] != "completed" for r in rows)
@@ -214,7 +215,7 @@ def _list_failures(ax, rows: list[dict], swept: list[str]) -> None:
 
 
 def _save(fig, ax, rows: list[dict], swept: list[str], path: Path) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     _list_failures(ax, rows, swept)
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -222,15 +223,15 @@ def _save(fig, ax, rows: list[dict], swept: list[str], path: Path) -> None:
 
 
 def _failed_marker(label: str):
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     return Line2D([], [], ls="", marker="x", ms=9, color="red", mew=2, label=label)
 
 
 def plot_throughput_vs_memory(sweep: Sweep, rows: list[dict], swept: list[str], mem: str, budget: Optional[float],
                               path: Path) -> None:
-    import matplotlib
-    from matplotlib.lines import Line2D
+    import matplotlib  # noqa: PLC0415 matplotlib: heavy, kept off --help
+    from matplotlib.lines import Line2D  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     fig, ax, any_failed = _figure(rows, swept)
     policies = list(dict.fromkeys(r["policy"] for r in rows))
@@ -287,8 +288,8 @@ def _spread(pts: list[dict], mem: str) -> str:
 
 
 def plot_activation_memory(sweep: Sweep, rows: list[dict], swept: list[str], path: Path) -> None:
-    import matplotlib
-    from matplotlib.patches import Patch
+    import matplotlib  # noqa: PLC0415 matplotlib: heavy, kept off --help
+    from matplotlib.patches import Patch  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     fig, ax, any_failed = _figure(rows, swept)
     policies = list(dict.fromkeys(r["policy"] for r in rows))
@@ -323,8 +324,8 @@ def plot_activation_memory(sweep: Sweep, rows: list[dict], swept: list[str], pat
 
 def plot_eval_loss(sweep: Sweep, rows: list[dict], swept: list[str], path: Path) -> bool:
     """The held-out loss against the step, one line per point that evaluated; False (no file) when none did."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    import matplotlib.pyplot as plt  # noqa: PLC0415 matplotlib: heavy, kept off --help
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     curves = [r for r in rows if r["eval_curve"]]
     if not curves:
@@ -359,7 +360,6 @@ def write_report(sweep: Sweep, budget: Optional[float] = None, out_root: Path = 
     write_markdown(sweep, rows, swept, mem, budget, out / "summary.md")
     plot_throughput_vs_memory(sweep, rows, swept, mem, budget, out / "throughput_vs_memory.png")
     plot_activation_memory(sweep, rows, swept, out / "activation_memory.png")
-    from memtrain.tools.report_seq import plot_vs_seq_len
 
     plot_vs_seq_len(sweep, rows, short_names(list(sweep.points[0].values)), mem, MEMORY_AXES[mem],
                     out / "seq_len.png")

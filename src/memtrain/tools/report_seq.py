@@ -11,10 +11,10 @@ def plot_vs_seq_len(sweep, rows: list[dict], names: dict[str, str], mem: str, me
     """Two panels sharing the x axis (log2 sequence length); False when the sweep has no seq_len axis."""
     if SEQ_KEY not in names:
         return False
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 matplotlib: heavy, imported only when this runs
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 matplotlib: heavy, imported only when this runs
 
     seq_col = names[SEQ_KEY]
     others = [c for k, c in names.items() if k != SEQ_KEY]

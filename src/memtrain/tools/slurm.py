@@ -76,7 +76,7 @@ def task_exit_code(job: str) -> int:
 
 def run_array(sweep, points, progress) -> None:
     """Submit every point as one array task, wait for all, record each point as it ends."""
-    from memtrain.tools.sweep_points import finish_point, last_step, prepare_point, tail
+    from memtrain.tools.sweep_points import finish_point, last_step, prepare_point, tail  # noqa: PLC0415 pulls pydantic: heavy, imported only when this runs
 
     listing = sweep.runs_dir / "slurm-points.jsonl"
     listing.parent.mkdir(parents=True, exist_ok=True)

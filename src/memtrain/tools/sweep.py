@@ -14,6 +14,7 @@ from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.tools.sweep_points import (DEFAULT_SWEEP, SET_ASIDE, TRAIN_PY, Point, SweepBar, Sweep, add_shrink_flags,
                                          finish_point, finished_differently, free_port, is_finished, last_step,
                                          load_sweep, prepare_point, read_summary, tail)
+from memtrain.tools.slurm import run_array
 
 def run_deepspeed(sweep: Sweep, points: list[Point], progress: SweepBar) -> None:
     """One `deepspeed` launcher process per point on this machine, one point after another."""
@@ -39,8 +40,6 @@ def run_deepspeed(sweep: Sweep, points: list[Point], progress: SweepBar) -> None
 
 def run_slurm(sweep: Sweep, points: list[Point], progress: SweepBar) -> None:
     """One Slurm job array, one point per array task (slurm/train.sbatch); see memtrain.slurm."""
-    from memtrain.tools.slurm import run_array
-
     run_array(sweep, points, progress)
 
 

@@ -308,7 +308,7 @@ def record_outcome(point: Point, returncode: int) -> dict:
         reason = "exited 0 without writing summary.json"
     else:
         reason = failure_reason(stderr, _read(point.run_dir / "stdout.log"))
-    from memtrain.train.faults import is_oom_text  # here: faults imports torch, which --help must not wait for
+    from memtrain.train.faults import is_oom_text  # noqa: PLC0415 here: faults imports torch, which --help must not wait for
 
     status = "oom" if is_oom_text(stderr) else "failed"
     summary = {"status": status, "reason": reason, "returncode": returncode, "steps": last_step(stderr),
@@ -347,7 +347,7 @@ class SweepBar:
     """Outer tqdm bar: points done/left; postfix: the current point and its step."""
 
     def __init__(self, sweep: Sweep, done: int) -> None:
-        from tqdm import tqdm
+        from tqdm import tqdm  # noqa: PLC0415 tqdm: kept off --help (this module builds the parser)
 
         self.bar = tqdm(total=len(sweep.points), initial=done, desc=sweep.name, unit="point", dynamic_ncols=True)
         self.shown, self.drawn = "", 0.0

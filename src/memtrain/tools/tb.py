@@ -9,7 +9,7 @@ def read_scalars(tb_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
 
     A step written twice (a run resumed after its last TensorBoard flush) keeps the later value.
     """
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415 tensorboard: heavy, kept off --help
 
     merged: dict[str, dict[int, float]] = {}
     for events in sorted(Path(tb_dir).glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):

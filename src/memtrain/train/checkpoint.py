@@ -20,6 +20,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+import json
 
 import numpy as np
 import torch
@@ -56,7 +57,7 @@ def weights_finite(engine) -> bool:
     Run before a save only, never per step. Under ZeRO-3 a rank's parameters are its partitions (`ds_tensor`).
     A 4-bit base's packed weights (bitsandbytes' Params4bit, which carry a quant_state) are codes, not numbers, and
     frozen: skipped."""
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     by_device: dict = {}
     for p in engine.module.parameters():
@@ -126,9 +127,7 @@ def save(engine, checkpoint_dir: Path, step: int, keep_last: int, tp_size: int =
          samples: Optional[int] = None) -> str:
     """Save model, optimizer, scheduler and RNG state after `step` completed steps, which read `samples` global
     samples (memtrain.model.order: where a resume on another batch size continues)."""
-    import json
-
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     rank = dist.get_rank()
     tag, tmp_tag = tag_for(step), f"{TMP_PREFIX}{tag_for(step)}"
@@ -185,7 +184,7 @@ def latest_path(checkpoint_dir: Optional[Path]) -> Optional[Path]:
 def chosen_point(checkpoint_dir: Path) -> "ResumePoint":
     """The checkpoint every rank resumes from: rank 0's choice, after reading every file's zip directory (a node
     whose view of the directory is stale cannot load another step; no other rank opens a file it does not load)."""
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     chosen = [resume_point(checkpoint_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
@@ -196,7 +195,7 @@ def load(engine, checkpoint_dir: Path, point: Optional["ResumePoint"] = None) ->
     """Restore the newest intact checkpoint (`chosen_point`, or `point` where the caller chose it so) into `engine`;
     returns the number of completed steps. A checkpoint saved by another world size loads from its universal copy
     (`<tag>/universal`, made by memtrain.train.reshard) with DeepSpeed's `load_universal` on for that load."""
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     point = point or chosen_point(checkpoint_dir)
     tag = point.tag
@@ -284,8 +283,6 @@ def damage(step_dir: Path, open_files: bool = True) -> list[str]:
 
 def _manifest(step_dir: Path) -> tuple[Optional[int], Optional[int]]:
     """(world size, tensor-parallel size) the checkpoint was saved with; (None, None) without a readable manifest."""
-    import json
-
     try:
         record = json.loads((step_dir / MANIFEST).read_text())
         return int(record["world_size"]), int(record["tp_size"])
@@ -313,8 +310,6 @@ def _shard_names(files: list[Path], world: int, tp: Optional[int] = None) -> lis
 
 def saved_samples(step_dir: Path) -> Optional[int]:
     """The global samples read before the checkpoint was saved; None for one saved before memtrain recorded it."""
-    import json
-
     try:
         return int(json.loads((step_dir / MANIFEST).read_text())["samples"])
     except (OSError, ValueError, KeyError, TypeError):

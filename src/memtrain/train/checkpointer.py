@@ -8,6 +8,7 @@ import time
 from typing import Optional
 
 import torch
+import deepspeed.comm as dist
 
 from memtrain.errors import EXIT_RUN_FAILED, RunFailed, report_here
 from memtrain.train import checkpoint
@@ -61,8 +62,6 @@ class Checkpointer:
         where it fits: the ranks agree on both before anyone writes, so a full disk is one line, not a torn save. The
         manifest records the samples read, where a resume on another batch size continues. Once saved, an earlier
         run that `--overwrite` set aside goes."""
-        import deepspeed.comm as dist
-
         engine, run_dir, t, tp = self.engine, self.run_dir, self.train, self.layout.tp
         if not checkpoint.weights_finite(engine):
             raise RunFailed(nonfinite_weights_message(step, t.max_steps, run_dir, t))
@@ -82,8 +81,6 @@ class Checkpointer:
         run_dirs.finish_overwrite(run_dir.path)  # rank 0's: the run this one replaces can go now
 
     def _leave_on_full_disk(self, step: int, needed: int, how: str) -> None:
-        import deepspeed.comm as dist
-
         run_dir = self.run_dir
         checkpoint.remove_partial(run_dir.checkpoints, step)
         message = disk_full_message(step, run_dir, needed, how, checkpoint.free_bytes(run_dir.checkpoints))

@@ -128,6 +128,5 @@ def measured_faster(policy: str, device: str, device_name: str, reports: Path = 
 def device_name(device: str) -> str:
     if device != "cuda":
         return ""
-    import torch
 
     return torch.cuda.get_device_name()

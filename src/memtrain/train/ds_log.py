@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _logger() -> logging.Logger:
-    from deepspeed.utils import logger
+    from deepspeed.utils import logger  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     return logger
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import deepspeed.comm as dist
 
 from memtrain.model.data import as_batch, to_device
 from memtrain.model.eval_data import labelled, micro_rows
@@ -33,8 +34,6 @@ class EvalResult:
 def evaluate(engine, data, sp, layout, batches: int, micro_batch: int) -> EvalResult:
     """`batches` eval micro-batches on this data rank (memtrain.model.eval_data.micro_rows), then one all-reduce of
     the summed loss and the labelled count; the one host read is the result (once per eval, not per step)."""
-    import deepspeed.comm as dist
-
     device = engine.device  # the reduction's tensor lives where the collective runs (NCCL: the GPU)
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = 0

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import psutil
 
 from memtrain.train import checkpoint
 from memtrain.train.run_dir import RunDir
@@ -82,8 +83,6 @@ CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limi
 def host_memory_limit() -> tuple[int, str]:
     """The host memory this process may use and what sets it: the smallest of the machine's RAM, its cgroup's
     limit (a Slurm or container allocation) and its address-space limit (ulimit -v)."""
-    import psutil
-
     limits = [(psutil.virtual_memory().total, "host RAM")]
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
@@ -116,7 +115,7 @@ def _memory() -> tuple[str, int]:
 def _suggestion(recipe, ds_config: dict, world: int, budget_bytes: int) -> str:
     """The planner's prediction of what would fit; the usual levers if it has none."""
     try:
-        from memtrain.memory.planner import suggest_fit
+        from memtrain.memory.planner import suggest_fit  # noqa: PLC0415 the planner, only for an OOM report, inside its guard
 
         return f"planner: {suggest_fit(recipe, ds_config, world, budget_bytes)}"
     except Exception:  # a failing suggestion must not hide the OOM report

@@ -15,21 +15,27 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
+import json
+
+import deepspeed.comm as dist
 
 from memtrain.model.data import save_tokenizer
+from memtrain.model.chat_data import end_of_turn_id, template_text
+from memtrain.model.freeze import saved_with_adapters
+from memtrain.model.lora import save_merged
+from memtrain.model.quantize import dequantized_state
+from memtrain.train.final_weights import stream_weights, write_config
 
 
 def write_model(model_factory: Callable, recipe, state: dict, out: Path, saved: tuple[str, ...] = ()) -> None:
     """`out` from a full state dict of the trained model (its own parameter names); `model_factory()` builds the
     recipe's model on the CPU; `saved`: with LoRA, the modules that trained whole, which final/adapter keeps
     (memtrain.model.freeze.saved_with_adapters). ValueError when the state does not fit the recipe's model."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     hf_logging.disable_progress_bar()  # a clean run's console: plan, bar, summary
     try:
         if recipe.model.lora is not None:
-            from memtrain.model.lora import save_merged
-
             save_merged(model_factory, recipe.model.lora, state, out, saved)
         else:
             model = model_factory()
@@ -46,17 +52,13 @@ def write_model(model_factory: Callable, recipe, state: dict, out: Path, saved: 
 def make_servable(out: Path, data) -> None:
     """`out`'s config with the KV cache on; for chat/instruction data the recipe's chat template in its tokenizer and
     the template's end-of-turn token among generation's end-of-sequence ids."""
-    import json
-
     config_file = out / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["use_cache"] = True
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if data.format == "text" or data.tokenizer in ("byte", None):
         return
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from memtrain.model.chat_data import end_of_turn_id, template_text
+    from transformers import AutoTokenizer, GenerationConfig  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     if data.chat_template:
@@ -79,12 +81,8 @@ def save_final(engine, model, out: Path, recipe, model_factory: Callable) -> Non
     """End of a run, on every rank: rank 0 writes `out`. The weights stream to disk as they are gathered
     (memtrain.train.final_weights: one shard in host memory, no rank waiting past the collective timeout); a LoRA
     run's merge needs the whole state dict, gathered by DeepSpeed's consolidation to rank 0's host memory first."""
-    import deepspeed.comm as dist
-
     if recipe.model.lora is None:
-        from transformers.utils import logging as hf_logging
-
-        from memtrain.train.final_weights import stream_weights, write_config
+        from transformers.utils import logging as hf_logging  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
         stream_weights(model, out, recipe.train.collective_timeout_s, engine.device)
         if dist.get_rank() == 0:
@@ -102,10 +100,7 @@ def save_final(engine, model, out: Path, recipe, model_factory: Callable) -> Non
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()} if dist.get_rank() == 0 else None
     if dist.get_rank() == 0:
-        from memtrain.model.freeze import saved_with_adapters
-
         if recipe.model.quantization is not None:  # the base as it trained: each 4-bit weight dequantized
-            from memtrain.model.quantize import dequantized_state
 
             state = dequantized_state(model, state)
         write_model(model_factory, recipe, state, out, saved_with_adapters(

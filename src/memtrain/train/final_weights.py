@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from deepspeed.module_inject.layers import GatherReplacedLayerParams
+from safetensors.torch import save_file
+import deepspeed
+import torch.distributed as dist
 
 SHARE = 0.25  # of the collective timeout that one shard's write may take
 FIRST_RATE = 10e6  # bytes/s assumed for the first shard, before any write was measured
@@ -50,8 +54,6 @@ class ShardWriter:
 
     def flush(self) -> int:
         """Write the pending tensors as the next shard (fsync'ed); the next shard's size from the rate so far."""
-        from safetensors.torch import save_file
-
         path = self.out / f"{TMP}{len(self.shards)}"
         started = time.perf_counter()
         save_file(self.pending, str(path), metadata={"format": "pt"})
@@ -83,10 +85,6 @@ class ShardWriter:
 def stream_weights(module: torch.nn.Module, out: Path, timeout_s: float, device: torch.device) -> None:
     """On every rank (each gather is a collective): `module`'s parameters and persistent buffers, once each (a tied
     weight under its first name), written by rank 0 into `out` shard by shard."""
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.module_inject.layers import GatherReplacedLayerParams
-
     writer = ShardWriter(out, timeout_s) if dist.get_rank() == 0 else None
     budget, pending, seen = shard_bytes(FIRST_RATE, timeout_s), 0, set()
     kept = set(module.state_dict(keep_vars=True))  # parameters and the buffers that are not marked non-persistent
@@ -110,8 +108,6 @@ def stream_weights(module: torch.nn.Module, out: Path, timeout_s: float, device:
 
 def _next_budget(writer: Optional[ShardWriter], device: torch.device) -> int:
     """Rank 0 writes its pending shard while the others wait here; then all take rank 0's next shard size."""
-    import torch.distributed as dist
-
     size = torch.tensor([writer.flush() if writer is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
     return int(size.item())  # once a shard, not a step: a host sync here costs nothing

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 from typing import Optional
+import resource
+import socket
 
 from memtrain.errors import NodeError
 from memtrain.train.node import agent_ranks
@@ -25,8 +27,6 @@ def open_files_needed(world: int) -> int:
 def raise_open_files_limit(world: int) -> Optional[str]:
     """Raise this process's soft limit on open files to what gloo needs for `world` ranks (up to the hard limit, which
     needs no privilege); a warning where even the hard limit is short."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = open_files_needed(world)
     if soft >= needed or soft == resource.RLIM_INFINITY:
@@ -53,8 +53,6 @@ def check_reachable(world: int, ranks_here: int, hostname: str, address: str, ma
 
 def prepare(world: int) -> Optional[str]:
     """Both, for this rank, before the rendezvous; returns a warning line or None."""
-    import socket
-
     def resolved(name: str) -> str:
         try:
             return socket.gethostbyname(name)

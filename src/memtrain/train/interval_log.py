@@ -7,6 +7,7 @@ import math
 from typing import Optional
 
 import torch
+import deepspeed.comm as dist
 
 from memtrain.errors import RunFailed
 from memtrain.memory.flops import device_peak_tflops, model_flops_per_token, recompute_flops_per_token
@@ -82,8 +83,6 @@ class IntervalLogger:
     def close(self, done: int, agreed: list[str]) -> tuple[dict[str, float], list[str]]:
         """The boundary after step `done`: (the interval's metrics row, the stop signals any rank had). One
         all-reduce and one host read; a non-finite loss stops the run before anything saves it."""
-        import deepspeed.comm as dist
-
         t, layout, world, device = self.train, self.layout, self.progress.world, self.engine.device
         seconds = self.timer.stop()
         # each rank of a TP/SP group read the same batch: dp_size / world of each rank's tokens counts

@@ -17,14 +17,16 @@ import signal
 import sys
 from typing import Optional
 
+import psutil
+
 from memtrain.quick_exit import quick_exit
+from memtrain.errors import name_cpu_accelerator
+from memtrain.train import local_launch
 
 STOPS = (signal.SIGINT, signal.SIGTERM)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    import psutil
-
     stopped: list[int] = []
 
     def pass_on(signum, frame) -> None:
@@ -37,7 +39,6 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     for sig in STOPS:  # first: a stop during the imports below ends this launch before it starts any rank
         signal.signal(sig, pass_on)
-    from memtrain.train import local_launch
 
     local = local_launch.parse(sys.argv[1:] if argv is None else argv)
     if local is not None and local_launch.applies():  # CPU ranks on this machine: started here, no torch imported
@@ -45,10 +46,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             sys.exit(128 + stopped[0])
         code = local_launch.wait(local_launch.start(local))
         quick_exit(128 + stopped[0] if stopped else code)
-    from memtrain.errors import name_cpu_accelerator
 
     name_cpu_accelerator()
-    from deepspeed.launcher.runner import main as run
+    from deepspeed.launcher.runner import main as run  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     if stopped:
         sys.exit(128 + stopped[0])
@@ -62,8 +62,6 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 def _ranks() -> list:
     """The ranks (and what they started): below DeepSpeed's launch.py, which is left alone, or this process's own."""
-    import psutil
-
     procs = []
     for child in psutil.Process().children():
         try:

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import psutil
+
 HOSTFILE = "/job/hostfile"  # the runner's default --hostfile: a multi-node launch
 GPU_SIGNS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")  # an NVIDIA or ROCm driver: DeepSpeed decides
 DEFAULT_PORT = 29500  # the runner's default --master_port
@@ -70,8 +72,6 @@ def start(local: Local) -> list[subprocess.Popen]:
 def wait(ranks: list[subprocess.Popen]) -> int:
     """0 once every rank has exited 0; at the first that fails, the others (and what they started) are ended and
     its exit code is returned (128 + the signal's number for a rank a signal killed)."""
-    import psutil
-
     while True:
         codes = [rank.poll() for rank in ranks]
         failed = next((code for code in codes if code not in (None, 0)), None)

@@ -9,6 +9,7 @@ from memtrain.model.build import decoder_layers
 from memtrain.model.loss import fused_unsupported, install_loss
 from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
 from memtrain.train import sequence_parallel
+from memtrain.config.ds_config import zero_stage
 
 
 @dataclass
@@ -56,8 +57,6 @@ def prepare(model, recipe, stage: int, tp: int = 1) -> LongContext:
 
 def check(recipe, ds_config: dict, config, world: int) -> None:
     """Preflight: every reason the recipe's long-sequence settings cannot run, as one UserError line."""
-    from memtrain.config.ds_config import zero_stage
-
     sp = recipe.parallel.sequence
     sequence_parallel.check(sp, config, recipe.data.seq_len, world, zero_stage(ds_config),
                             getattr(config, "_attn_implementation", None))

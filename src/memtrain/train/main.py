@@ -14,6 +14,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     # reduce_scatter_tensor): every rank would print the notice, about code the user does not own
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     args = parse_args(argv)  # before the trainer's imports (seconds): --help and a bad flag answer at once
-    from memtrain.train.trainer import train
+    from memtrain.train.trainer import train  # noqa: PLC0415 the trainer imports torch (seconds): --help and a bad flag answer first
 
     train(args)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
+import psutil
 
 from memtrain.units import GIB
 
@@ -21,8 +23,6 @@ def reset_device_peak() -> None:
 
 
 def host_rss_gib() -> float:
-    import psutil
-
     return psutil.Process().memory_info().rss / GIB
 
 
@@ -48,8 +48,6 @@ class IntervalTimer:
         if self.cuda:
             self._begin.record()
         else:
-            import time
-
             self._t0 = time.perf_counter()
 
     def stop(self) -> float:
@@ -57,6 +55,5 @@ class IntervalTimer:
             self._end.record()
             self._end.synchronize()
             return self._begin.elapsed_time(self._end) / 1e3
-        import time
 
         return time.perf_counter() - self._t0

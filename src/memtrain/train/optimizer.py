@@ -49,7 +49,7 @@ def optimizer_name(cfg: dict) -> str:
 def build_optimizer(params, cfg: dict, recipe) -> torch.optim.Optimizer:
     kwargs = optimizer_kwargs(recipe)
     if offload_device(cfg, "optimizer") != "none":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
     impl = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
@@ -57,7 +57,7 @@ def build_optimizer(params, cfg: dict, recipe) -> torch.optim.Optimizer:
 
 
 def build_schedule(recipe) -> Callable[[torch.optim.Optimizer], Any]:
-    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     kwargs = schedule_kwargs(recipe)
     if recipe.train.warmup_steps == 0:

@@ -17,9 +17,9 @@ def check_autotp_model(ds_config: dict, source: str, model) -> None:
     section = ds_config.get("tensor_parallel")
     if not isinstance(section, dict) or section.get("autotp_size", 0) <= 1 or section.get("partition_config"):
         return
-    from deepspeed.module_inject.auto_tp import AutoTP
-    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
-    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+    from deepspeed.module_inject.auto_tp import AutoTP  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     kind = getattr(model.config, "model_type", type(model).__name__)
     plan = _get_hf_tp_plan(model)
@@ -42,7 +42,7 @@ def check_autotp_model(ds_config: dict, source: str, model) -> None:
 
 
 def _supported_styles() -> set:
-    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES
+    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     return SUPPORTED_STYLES
 
@@ -77,14 +77,14 @@ def layout(engine, sp=None) -> Layout:
     """This rank's layout, read from DeepSpeed after `deepspeed.initialize` (which creates the groups).
     Under Ulysses sequence parallelism (`sp`, memtrain.train.sequence_parallel) a sequence-parallel group
     reads one batch: DeepSpeed reports no data-parallel size under its mpu, so `sp` says which."""
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if sp is not None and sp.data_world != world:
         return Layout(world, 1, sp.data_rank, sp.data_world)
     tp = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
     if tp and tp > 1:
-        from deepspeed.utils import groups
+        from deepspeed.utils import groups  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         return Layout(world, groups.get_tensor_model_parallel_world_size(), groups.get_data_parallel_rank(),
                       groups.get_data_parallel_world_size(), groups.get_tensor_model_parallel_rank())
@@ -95,7 +95,7 @@ def check_sharded(model, tp: int) -> None:
     """AutoTP found nothing to shard in an architecture it does not know: say so, never train unsharded."""
     if tp <= 1:
         return
-    from deepspeed.module_inject.layers import TensorParallel_Layer
+    from deepspeed.module_inject.layers import TensorParallel_Layer  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     if not any(isinstance(m, TensorParallel_Layer) for m in model.modules()):
         raise UserError(f"tensor_parallel.autotp_size: DeepSpeed's AutoTP sharded no layer of {type(model).__name__} "

@@ -15,6 +15,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
+import socket
+import warnings
+
+import torch
 
 from memtrain.train import checkpoint, long_context, reshard
 from memtrain.train import run_dir as run_dirs
@@ -29,10 +33,10 @@ from memtrain.model.lora import add_lora, trainable_patterns
 from memtrain.model.moe import experts_line
 from memtrain.model.pretrained import check_pretrained
 from memtrain.memory.target import compute_dtype, resolve_spec
-from memtrain.memory.planner import predict_run
+from memtrain.memory.planner import auto_plan, predict_run
 from memtrain.units import GIB
 from memtrain.config.args import RunArgs, parse_args, preflight_parser
-from memtrain.model.data import build_tokenizer, builder_for, resolve_files
+from memtrain.model.data import build_tokenizer, builder_for, prepare_data, resolve_files
 from memtrain.model import eval_data
 from memtrain.config.ds_config import AUTO, AUTO_KEYS, get, model_hidden_size, resolve_ds_config, zero_stage
 from memtrain.config import ds_checks
@@ -49,6 +53,7 @@ from memtrain.config.recipe import DataSection, pretrained_tokenizer
 from memtrain.recompute.partition import with_expected_bytes
 from memtrain.train.parallel import check_autotp_model
 from memtrain.config.ds_config import tp_size
+from memtrain.memory.host import available_bytes
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,6 @@ def check_eval_files(data: DataSection, trained: list[Path]) -> None:
 def check_plan_applies(model, plan: ACPlan) -> None:
     """Install the AC plan on the meta-device model, as the workers will: module patterns that match
     nothing, sublayers a family lacks and layer-count mismatches are found here."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # stateful-module warnings: the workers give them
         apply_plan(model, plan)
@@ -133,8 +136,6 @@ def check_run_dir(args: RunArgs, world_size: int) -> Optional[checkpoint.ResumeP
 
 def run_device() -> str:
     """The accelerator the workers will train on, as the planner names it."""
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -186,8 +187,6 @@ def final_bytes(model, ds_config: dict, train) -> int:
     """Host bytes rank 0 gathers at the end of a run for final/: the whole model in the compute dtype (DeepSpeed's
     16-bit consolidation), on the node that holds global rank 0 only (its agent's first rank is rank 0)."""
 
-    import torch
-
     if not train.save_checkpoints or not holds_rank0():
         return 0
     itemsize = torch.empty((), dtype=getattr(torch, compute_dtype(ds_config, run_device()))).element_size()
@@ -200,10 +199,6 @@ def check_host_memory(prediction, world_size: int, ranks_on_node: Optional[int] 
     at the end (`final`). Against what this node can still allocate (MemAvailable, the cgroup's room: a Slurm job's
     --mem), before any worker starts: one line. `ranks_on_node`: counted across the node's launcher agents once the
     ranks have met (the trainer); before, this agent's ranks."""
-    import socket
-
-    from memtrain.memory.host import available_bytes
-
     # a worker knows its agent's ranks; make train: all
     ranks = ranks_on_node or agent_ranks(world_size)
     states = prediction.model_states
@@ -274,8 +269,6 @@ def _ac_plan(spec: RecomputeSpec, args: RunArgs, world_size: int, config, model)
     against the model's modules."""
     memory_plan = None
     if spec.policy == "auto":
-        from memtrain.memory.planner import auto_plan
-
         plan, memory_plan = auto_plan(spec, args.recipe, args.ds_config, world_size, config)
     else:
         plan = build_plan(spec, config.num_hidden_layers)
@@ -359,7 +352,7 @@ def resolve_run(args: RunArgs, world_size: int) -> RunSetup:
     warnings = check_json(args.ds_config, args.ds_config_path, recipe, world_size)
     resume = check_run_dir(args, world_size)
     if resume is not None:
-        warnings += resume.warnings(args.run_dir / "checkpoints")
+        warnings += resume.warnings(run_dirs.RunDir(args.run_dir).checkpoints)
     with _naming_recipe(args):
         files, tokenizer = _data_inputs(recipe)
         config, model, model_warnings = _meta_model(recipe, tokenizer)
@@ -370,7 +363,7 @@ def resolve_run(args: RunArgs, world_size: int) -> RunSetup:
         compiled = _compile_choice(recipe, args.ds_config, plan, zero3, model)
     _check_layout(args, config, model, world_size)
     if resume is not None and is_rank_zero():  # rank 0 decides the checkpoint every rank loads (checkpoint.load)
-        check_shapes(args.run_dir / "checkpoints" / resume.tag, model,
+        check_shapes(run_dirs.RunDir(args.run_dir).checkpoints / resume.tag, model,
                      packed_shapes(model) if recipe.model.quantization is not None else None)
     resolved = _resolved_json(args, config, plan, zero3)
     check_quantized_base(resolved, recipe, args.ds_config_path, compiled.on)  # QLoRA: what a 4-bit base cannot run with
@@ -392,12 +385,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     Silent with exit 0 when everything is fine; the packed corpus is cached for the workers.
     """
-    from memtrain.model.data import prepare_data
-
     args = parse_args(sys.argv[1:] if argv is None else argv, preflight_parser())
     resolve_run(args, args.world_size)
     if args.resume:  # a checkpoint of another world size: converted here, once (memtrain.train.reshard)
-        reshard.prepare(args.run_dir / "checkpoints", args.world_size)
+        reshard.prepare(run_dirs.RunDir(args.run_dir).checkpoints, args.world_size)
     recipe = args.recipe
     if not recipe.data.random_tokens:
         prepare_data(recipe.data, recipe.train.seed)

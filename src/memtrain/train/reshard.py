@@ -138,7 +138,7 @@ class Resumed:
 def resume(engine, checkpoint_dir: Path, per_step: int) -> Resumed:
     """Load the checkpoint rank 0 chose, converting it first (rank 0, once) where another world size saved it,
     and place the data: the next step reads the samples after those the checkpoint's steps read."""
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     point = checkpoint.chosen_point(checkpoint_dir)
     step_dir, world = checkpoint_dir / point.tag, dist.get_world_size()

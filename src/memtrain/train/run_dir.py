@@ -15,17 +15,21 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+from datetime import datetime
+import fcntl
+import secrets
+import socket
 
-from memtrain.config.saved_run import CONFIG_FILE
+from memtrain.config.saved_run import CONFIG_FILE, CSV_DIR, TENSORBOARD_DIR
 from memtrain.errors import NodeError, UserError
 
 SUMMARY_FILE = "summary.json"  # how the run ended: its status, steps, loss and median metrics
 CHECKPOINTS = "checkpoints"  # model checkpoints (memtrain.train.checkpoint)
-TENSORBOARD = "tb"  # DeepSpeed's TensorBoard monitor writes here (its job_name: memtrain.config.ds_config)
+TENSORBOARD = TENSORBOARD_DIR  # DeepSpeed's TensorBoard monitor writes here (its job_name: memtrain.config.ds_config)
 FINAL = "final"  # the trained model as transformers loads it (memtrain.train.final)
 LOCK = ".lock"  # held (flock) by rank 0 of the run using the directory; not a run entry: never moved aside
-# what a run writes ("csv": DeepSpeed's csv monitor; "deepspeed.log" and "logs": memtrain.train.ds_log)
-RUN_ENTRIES = (CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS, TENSORBOARD, "csv", FINAL, "deepspeed.log", "logs")
+# what a run writes (CSV_DIR: DeepSpeed's csv monitor; "deepspeed.log" and "logs": memtrain.train.ds_log)
+RUN_ENTRIES = (CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS, TENSORBOARD, CSV_DIR, FINAL, "deepspeed.log", "logs")
 ASIDE = ".overwritten"
 
 
@@ -144,10 +148,7 @@ def check_shared(run_dir: Path, rank: int) -> None:
     its shards into them). Node-local run directories would each hold a part of every checkpoint, and a resume
     would find none intact: at start-up, each rank looks for a file rank 0 just wrote, and all stop with one line
     naming a node that cannot see it. Three collectives: every rank calls this."""
-    import secrets
-    import socket
-
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # noqa: PLC0415 deepspeed: heavy, kept off --help
 
     token = [secrets.token_hex(8) if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
@@ -175,10 +176,6 @@ def lock(run_dir: Path) -> tuple[Optional[str], Optional[str]]:
     ends, however it ends) so that a second run on the same directory is refused instead of writing the same
     checkpoints and TensorBoard files. Returns (refusal, warning): the line that refuses this run, or a warning where
     the file system has no file locks (Lustre mounted noflock)."""
-    import fcntl
-    import socket
-    from datetime import datetime
-
     run_dir.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -219,8 +216,6 @@ def unlock(run_dir: Optional[Path]) -> None:
 
 def check_not_in_use(run_dir: Path) -> None:
     """Before any worker starts: one line where another run holds the directory (`lock`)."""
-    import fcntl
-
     path = run_dir / LOCK
     if run_dir.resolve() in _locks or not path.is_file():
         return

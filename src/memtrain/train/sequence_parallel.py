@@ -28,10 +28,13 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
 from memtrain.errors import UserError
 from memtrain.model.build import model_class
 from memtrain.model.loss import normalise, shift
+from memtrain.model import attention
 
 # attention implementations Ulysses cannot wrap (DeepSpeed rejects them: they need a 4D mask)
 _UNSUPPORTED_ATTENTION = ("eager", "paged|eager")
@@ -144,9 +147,6 @@ class SequenceParallel:
         one, by the group's labelled tokens (one all-reduce), the full sequence's token-weighted mean.
         Differentiable all-gather (as DeepSpeed's tutorial and transformers' deepspeed_sp_compute_loss):
         each rank's backward reaches every rank's slice."""
-        import torch.distributed as dist
-        import torch.distributed.nn.functional as dist_nn
-
         totals = torch.stack(dist_nn.all_gather(total, group=self.group)).sum()
         if divisor is None:
             count = count.detach().clone()
@@ -158,12 +158,10 @@ class SequenceParallel:
 def setup(model, sp: int, stage: int, micro_batch: int, seq_len: int):
     """Register Ulysses attention for `model` (after init_distributed, before deepspeed.initialize).
     Returns (mpu for deepspeed.initialize or None, SequenceParallel)."""
-    import torch.distributed as dist
-
     world, rank = dist.get_world_size(), dist.get_rank()
     if sp == 1:
         return None, SequenceParallel(data_rank=rank, data_world=world)
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
     heads = _head_layout(model.config.get_text_config())
     key = (sp, model.config._attn_implementation, micro_batch, seq_len, heads)
@@ -172,7 +170,6 @@ def setup(model, sp: int, stage: int, micro_batch: int, seq_len: int):
             raise UserError(f"parallel.sequence: this process already registered Ulysses attention for "
                             f"{next(iter(_REGISTERED))} (size, attention, micro batch, sequence, (heads, key/value "
                             "heads, head size)); start a new process")
-        from memtrain.model import attention
 
         attention.remember(model.config._attn_implementation)  # the planner's profile runs the plain one
         # DeepSpeed reads num_key_value_heads, which multi-head families' configs (GPT-2) do not carry: it

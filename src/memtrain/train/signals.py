@@ -20,6 +20,10 @@ import signal
 import sys
 import threading
 from typing import Optional
+import select
+import time
+
+import psutil
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _received: list[str] = []
@@ -72,8 +76,6 @@ def launcher_name(cmdline: list[str]) -> Optional[str]:
 def launchers() -> list[tuple]:
     """(psutil.Process, its launcher's name) for each launcher above this process, parent first, up to the first
     process that is none."""
-    import psutil
-
     chain = []
     try:
         proc = psutil.Process().parent()
@@ -107,11 +109,6 @@ def _watch(chain: list[tuple]) -> None:
 
 
 def _wait_for_first_end(chain: list[tuple]) -> tuple:
-    import select
-    import time
-
-    import psutil
-
     try:
         fds = {os.pidfd_open(proc.pid): (proc, name) for proc, name in chain}
     except (AttributeError, OSError):
@@ -153,9 +150,7 @@ class StopAgreement:
     the ranks' clocks differ, so rank 0 decides and every rank saves at the same step."""
 
     def __init__(self, world: int, save_every_s: Optional[float] = None, rank: int = 0) -> None:
-        import time
-
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415 torch: heavy, imported only when this runs
 
         # every rank creates the group, at the same point of its start-up
         self.group = dist.new_group(backend="gloo") if world > 1 else None
@@ -166,21 +161,17 @@ class StopAgreement:
 
     def saved(self) -> None:
         """A model checkpoint was saved: the timed save's clock starts again."""
-        import time
-
         self.last_save = time.monotonic()
 
     def _due_here(self) -> float:
-        import time
-
         return float(self.rank == 0 and self.save_every_s is not None
                      and time.monotonic() - self.last_save >= self.save_every_s)
 
     def step(self) -> list[str]:
         """After a step: the signals that some rank had received by the end of the previous step (and, in
         `save_due`, whether rank 0 had found a timed save due by then)."""
-        import torch
-        import torch.distributed as dist
+        import torch  # noqa: PLC0415 torch: heavy, imported only when this runs
+        import torch.distributed as dist  # noqa: PLC0415 torch: heavy, imported only when this runs
 
         if self.group is None:
             self.save_due = bool(self._due_here())

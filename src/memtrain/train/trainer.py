@@ -14,12 +14,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from tqdm import tqdm
+import deepspeed
+import deepspeed.comm as dist
+import torch.distributed.distributed_c10d as c10d
 
 from memtrain.config.args import RunArgs
 from memtrain.config.ds_config import AUTO, model_hidden_size, offload_device, resolve_ds_config, tp_size, zero_stage
 from memtrain.config.recipe import TrainSection
 from memtrain.errors import EXIT_RUN_FAILED, RunFailed, UserError, report_here
-from memtrain.model.build import build_model
+from memtrain.model.build import build_model, decoder_layers
 from memtrain.model.chat_data import PackedChat, report_line
 from memtrain.model.data import RandomTokens, as_batch, blend_plan_line, prepare_data, to_device
 from memtrain.model.eval_data import batches_per_rank, prepare_eval_data
@@ -93,11 +97,11 @@ def _skip_shm_comm_op() -> None:
     incompatible makes DeepSpeed 0.19.8's `build_shm_op()` return None (deepspeed/comm/torch.py). Only on a CPU
     accelerator: elsewhere DeepSpeed does not build it, and reading the table would probe every CUDA op (nvcc runs)."""
     try:
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.accelerator import get_accelerator  # noqa: PLC0415 inside its guard: DeepSpeed's op table may be absent
 
         if get_accelerator().device_name() != "cpu":
             return
-        import deepspeed.ops
+        import deepspeed.ops  # noqa: PLC0415 inside its guard: DeepSpeed's op table may be absent
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     except (ImportError, AttributeError):
@@ -109,8 +113,6 @@ def _groups_wait_as_long_as_the_world(timeout: timedelta) -> None:
     DeepSpeed makes its tensor-, data- and sequence-parallel groups without one: a rank waiting on a lost peer
     in one of them would outwait train.collective_timeout_s by far. Every group made from here on takes it.
     (torch reads these module globals at each new_group; there is no public setter.)"""
-    import torch.distributed.distributed_c10d as c10d
-
     c10d.default_pg_timeout = timeout
     c10d.default_pg_nccl_timeout = timeout
 
@@ -119,8 +121,6 @@ def _meet(timeout: timedelta) -> None:
     """The ranks' rendezvous. A rank that stopped before it (a check that failed on its node printed its own
     line) leaves the others waiting here until train.collective_timeout_s: one line, from rank 0, not torch's
     traceback of the store's wait."""
-    import deepspeed
-
     try:
         deepspeed.init_distributed(verbose=False, timeout=timeout)
     except torch.distributed.DistStoreError as e:
@@ -147,8 +147,6 @@ def set_local_device() -> torch.device:
 def _check_the_nodes_host_memory(checked, world: int) -> None:
     """The host-memory check again, with every rank on this host counted: several launcher agents on one node (2 x 4
     ranks instead of 1 x 8) each saw only their own ranks before the ranks met. One all-gather of host names."""
-    import deepspeed.comm as dist
-
     if world == 1:
         return
     hosts: list = [None] * world
@@ -162,8 +160,6 @@ def _check_the_nodes_host_memory(checked, world: int) -> None:
 def _choose_run_dir(args: RunArgs, rank: int) -> tuple[RunDir, Optional[str]]:
     """The run directory (one timestamp for all ranks), held by rank 0 for the run (run_dir.lock): a second run on it
     is refused on every rank; a warning where its file system has no file locks."""
-    import deepspeed.comm as dist
-
     chosen: list = [None]
     if rank == 0:
         path = args.run_dir or Path(f"runs/{args.recipe.name}-{datetime.now():%Y%m%d-%H%M%S}")
@@ -278,8 +274,6 @@ class Trainer:
     def set_up(cls, args: RunArgs, progress: RunPosition) -> "Trainer":
         """Every check before any distributed work (the one `make train` runs first), the ranks, the run directory and
         its plan lines, the model with its AC hooks and the DeepSpeed engine."""
-        import deepspeed.comm as dist
-
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         recipe, t, world = args.recipe, args.recipe.train, progress.world
@@ -386,8 +380,6 @@ class Trainer:
 
     def _start_loop(self) -> tuple[IntervalLogger, Checkpointer]:
         """The loop's companions: the bar, the interval logger, the checkpointer, train.probe and train.compile."""
-        from tqdm import tqdm
-
         t, layout = self.t, self.layout
         if self.eval_data is not None:
             self.eval_batches = batches_per_rank(len(self.eval_data), t.eval_batches, layout.dp_size,
@@ -426,8 +418,6 @@ class Trainer:
 
     def finish(self) -> dict:
         """The last model checkpoint, final/ and summary.json, then the process group closed."""
-        import deepspeed.comm as dist
-
         t, run_dir, recipe = self.t, self.run_dir, self.args.recipe
         completed = self.done if self.status == "preempted" else t.max_steps
         if t.save_checkpoints and completed > self.start:  # a stop during start-up trained nothing: nothing to save
@@ -524,8 +514,6 @@ def _one_plan(checked, t) -> tuple[ACPlan, Any, Any]:
     differ by timing noise, and a rank that recomputes less than the others would be the one to run out of memory
     first. train.compile auto: each rank read its own node's gpu-check figures; all compile, or none, as rank 0
     decided."""
-    import deepspeed.comm as dist
-
     shared = [checked.plan, checked.memory_plan, checked.compile]
     if checked.memory_plan is not None or t.compile == "auto":
         dist.broadcast_object_list(shared, src=0)
@@ -569,8 +557,6 @@ def _plan_lines(args: RunArgs, checked, plan, memory_plan, compiled, data, agree
 
 def _stopped_in_start_up(device, world: int) -> Optional[str]:
     """A stop signal any rank got before the first step (one all-reduce, before the loop): its name, or None."""
-    import deepspeed.comm as dist
-
     flags = torch.tensor(signals.one_hot(), device=device)
     if world > 1:
         dist.all_reduce(flags)
@@ -582,8 +568,6 @@ def _stopped_in_start_up(device, world: int) -> Optional[str]:
 
 def _start_probe(engine):
     """train.probe: ZeRO-3's per-step counters (memtrain.train.zero3_probe) around the training loop."""
-    from memtrain.model.build import decoder_layers
-
     return Zero3Probe(engine.module, list(decoder_layers(engine.module)[1])).__enter__()
 
 
@@ -592,8 +576,6 @@ def build_engine(recipe, config, plan, ds_config: dict, raw_ds_config: dict, spe
     hooks (each decoder layer compiled with `compiled`: train.compile) and the DeepSpeed engine: (engine,
     long-context set-up, data layout, whether the JSON's "auto" number_checkpoints changed now that the plan met
     the model; `ds_config` then holds the new value)."""
-    import deepspeed
-
     rng.seed_everything(recipe.train.seed)  # the same initial weights on every rank
     stage = zero_stage(ds_config)
     quantization = recipe.model.quantization

@@ -86,7 +86,7 @@ class Zero3Probe:
             self._recompute_depth -= 1
 
     def __enter__(self) -> "Zero3Probe":
-        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         original_fetch = PartitionedParameterCoordinator.fetch_sub_module
         probe = self
@@ -102,7 +102,7 @@ class Zero3Probe:
         PartitionedParameterCoordinator.fetch_sub_module = fetch_sub_module
         self._restore.append(lambda: setattr(PartitionedParameterCoordinator, "fetch_sub_module", original_fetch))
 
-        import deepspeed.comm.comm as ds_comm
+        import deepspeed.comm.comm as ds_comm  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         backend = ds_comm.cdb
         original_gather = getattr(backend, "all_gather_function", None)
@@ -128,7 +128,7 @@ class Zero3Probe:
     # ------------------------------------------------------------------ one step
     def step_done(self, engine, extra: Optional[dict] = None) -> dict:
         """Record the step that just ended (after `engine.step()`) and start counting the next."""
-        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.runtime.zero import parameter_offload  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
         coordinator = None
         optimizer = getattr(engine, "optimizer", None)

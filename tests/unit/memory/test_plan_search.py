@@ -134,6 +134,45 @@ def test_step_time_terms_by_hand(tmp_path):
     assert t.terms["zero_comm"] == 0.0  # a ZeRO group of 8 / tp 8 = 1 rank
     assert optimizer_seconds(hw, 10**9, False, 8) == pytest.approx(30e9 / (3350e9 * 0.9))
     assert optimizer_seconds(hw, 10**9, True, 8) == pytest.approx(8 * 30e9 / (614e9 * 0.5))
+    assert t.terms["overhead"] == 0.0  # no overhead figures on the sheet
+
+    # the overhead term: per layer forward-and-backward (a full recompute re-runs half), per collective call in a
+    # group of more than one rank, per step; counted by hand
+    hw = _hardware(tmp_path, **{"overhead.layer_s": 1e-3, "overhead.collective_s": 1e-4, "overhead.step_s": 0.05})
+    dp2 = Layout(2, 8)
+    micro = Collective("reduce_scatter", "zero", 1e6, 5, MICRO, "rs")
+    t = step_time(hw, dp2, [micro, step, ar], 1e9, 0.0, 3, 0.0, modes=("keep", "full", "keep", "attn"))
+    layers = 3 * (4 + 0.5 + 0.25)  # 3 micro-steps; full re-runs half a layer's calls, attn a quarter
+    calls = 3 * 5 + 1  # the TP group is one rank: its calls cost nothing
+    assert t.counts == {"layer_calls": layers, "collective_calls": calls, "steps": 1.0}
+    assert t.terms["overhead"] == pytest.approx(1e-3 * layers + 1e-4 * calls + 0.05)
+
+
+def test_overhead_fit_is_the_best_non_negative_fit():
+    """fit_overheads against known rates (exact data), and against a brute-force grid of non-negative rates where
+    plain least squares would go negative: never worse than any grid point, never negative."""
+    import itertools
+    import random
+
+    from memtrain.memory.overhead_fit import fit_overheads
+
+    rng = random.Random(0)
+    counts = [{"layer_calls": rng.choice((4, 8, 16, 32)), "collective_calls": rng.choice((0, 10, 40, 80)),
+               "steps": 1.0} for _ in range(8)]
+    truth = {"layer_s": 2e-3, "collective_s": 5e-4, "step_s": 0.1}
+    exact = [2e-3 * c["layer_calls"] + 5e-4 * c["collective_calls"] + 0.1 for c in counts]
+    assert fit_overheads(counts, exact) == pytest.approx(truth, rel=1e-9)
+    skewed = [y - 2e-3 * c["collective_calls"] + rng.uniform(-0.01, 0.01) for y, c in zip(exact, counts)]
+    fit = fit_overheads(counts, skewed)
+    assert all(v >= 0 for v in fit.values()) and fit["collective_s"] == 0.0
+
+    def err(rates):
+        return sum((rates[0] * c["layer_calls"] + rates[1] * c["collective_calls"] + rates[2] - y) ** 2
+                   for c, y in zip(counts, skewed))
+
+    best = err((fit["layer_s"], fit["collective_s"], fit["step_s"]))
+    grid = [i * 2e-4 for i in range(30)], [i * 1e-4 for i in range(10)], [i * 0.01 for i in range(30)]
+    assert all(best <= err(g) + 1e-15 for g in itertools.product(*grid))
 
 
 def test_search_drops_what_cannot_run_with_its_reason(tmp_path):
@@ -363,6 +402,8 @@ def test_verify_picks_writes_runnable_sweeps_and_kendall_tau(tmp_path, monkeypat
     for i, path in write_points(result, _tiny(), picks, tmp_path / "plan", steps=4):
         sweep = load_sweep(path)
         (point,) = sweep.points
+        # another configuration at the same rank (a changed ranking) gets another run directory
+        assert result.scored[i].config.label().replace(" ", "-").replace(":", "-") in str(point.run_dir)
         args = train_args(sweep, point)
         assert sweep.spec.launcher.gpus_per_run == result.world and "train.max_steps=4" in args
         written = load_recipe(sweep.spec.recipe)
@@ -385,3 +426,39 @@ def test_verify_picks_writes_runnable_sweeps_and_kendall_tau(tmp_path, monkeypat
         ys = [rng.randint(0, 5) for _ in range(9)]
         assert kendall_tau(xs, ys) == pytest.approx(tau_b(xs, ys), abs=1e-12)
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+
+
+def test_verify_fits_a_cpu_sheets_overhead_from_its_runs(tmp_path):
+    """--verify's calibration on a CPU sheet: runs whose steps took the model's other terms plus known overheads
+    (layer, collective call, step) give back those overheads in the calibration file, which then loads over the
+    sheet; GPU runs do not calibrate a CPU sheet."""
+    import shutil
+    from dataclasses import replace
+
+    import yaml
+
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.hardware import load_hardware
+    from memtrain.memory.search import search
+    from memtrain.tools.plan_verify import Verified, calibrate
+
+    sheet = tmp_path / "cpu-2.yaml"
+    shutil.copy(ROOT / "reports" / "readme" / "cpu-proxy" / "cpu-2.yaml", sheet)
+    hw = load_hardware(sheet)
+    assert hw.device == "cpu" and hw.overhead_layer_s == 0.0
+    result = search(_tiny(), load_ds_config(DS), hw, 1, 64 * 16, micro_batches=(1, 16), exact_top=0)
+    truth = {"layer_s": 2e-3, "collective_s": 4e-4, "step_s": 0.05}
+    rows = []
+    for i, s in enumerate(result.scored):
+        c = s.time.counts
+        seconds = s.time.seconds + truth["layer_s"] * c["layer_calls"] + truth["collective_s"] * c[
+            "collective_calls"] + truth["step_s"]
+        rows.append(Verified(s, i + 1, tmp_path, "completed", result.global_tokens / seconds, None, "cpu"))
+    assert len({(r.scored.time.counts["layer_calls"], r.scored.time.counts["collective_calls"]) for r in rows}) >= 3
+    cal = tmp_path / "calibration" / "cpu-2.yaml"
+    assert calibrate([replace(r, device="cuda") for r in rows], sheet, cal) is None and not cal.exists()
+    assert calibrate(rows, sheet, cal)
+    assert yaml.safe_load(cal.read_text())["overhead"] == pytest.approx(truth, rel=1e-3)
+    calibrated = load_hardware(sheet)  # the default calibration path
+    assert (calibrated.overhead_layer_s, calibrated.overhead_collective_s, calibrated.overhead_step_s) == \
+        pytest.approx((2e-3, 4e-4, 0.05), rel=1e-3)

@@ -21,7 +21,11 @@ import torch
 from conftest import allocator_peak, FAST, ROOT
 
 from memtrain.tools import ac_profile
-from memtrain.memory import estimate as mm
+from memtrain.memory.predict import LayerChoice, activation_peak, predict
+from memtrain.memory.profile import fake_model, mode_plan, profile_activations
+from memtrain.memory.rates import Rates, measure_rates
+from memtrain.memory.states import ModelStates, model_states
+from memtrain.memory.target import Target, make_target, model_and_config
 from memtrain.tools import plan as plan_cli
 from memtrain.memory import planner
 from memtrain.recompute.hooks import apply_plan
@@ -34,21 +38,21 @@ from memtrain.units import GIB
 from memtrain.config.recipe import load_recipe
 
 TOL = 0.05
-NO_STATES = mm.ModelStates(0, 0, 0, 0, 0, 0, 0, 0)
+NO_STATES = ModelStates(0, 0, 0, 0, 0, 0, 0, 0)
 ZERO3 = str(ROOT / "ds_configs" / "zero3_ckpt.json")
 
 
 def _predicted_bytes(profile, recipe, policy, num_layers):
     plan = plan_for(policy, num_layers, recipe.activation_checkpointing, backend="torch")
-    return mm.predict(profile, NO_STATES, plan.layers).saved_activations
+    return predict(profile, NO_STATES, plan.layers).saved_activations
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """The default recipe at ac-profile's shape (batch 1 x seq 128), fp32 on CPU."""
     recipe = load_recipe(None, ["train.micro_batch_size=1"])
-    config = mm.model_and_config(recipe)
-    profile = mm.profile_activations(config, mm.Target("cpu", "float32", 1, 128, 1))
+    config = model_and_config(recipe)
+    profile = profile_activations(config, Target("cpu", "float32", 1, 128, 1))
     return recipe, config, profile
 
 
@@ -71,9 +75,9 @@ def test_activation_bytes_match_1b_layer_shape():
 
     recipe = load_recipe(str(ROOT / "recipes" / "llama-1b.yaml"),
                          ["model.config.num_hidden_layers=2", "data.seq_len=64", "train.micro_batch_size=1"])
-    config = mm.model_and_config(recipe)
+    config = model_and_config(recipe)
     assert (config.hidden_size, config.intermediate_size, config.num_key_value_heads) == (2048, 5632, 4)
-    profile = mm.profile_activations(config, mm.Target("cpu", "float32", 1, 64, 1))
+    profile = profile_activations(config, Target("cpu", "float32", 1, 64, 1))
     with torch.device("meta"):  # values do not change sizes: skip the weight init
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to_empty(device="cpu").train()
@@ -97,28 +101,28 @@ def test_activation_peak_matches_a_real_step(tiny):
 
     recipe, config, profile = tiny
     torch.manual_seed(0)
-    model = mm.fake_model(config, config.num_hidden_layers, profile.target)  # real tensors: no fake mode here
+    model = fake_model(config, config.num_hidden_layers, profile.target)  # real tensors: no fake mode here
     ids = torch.randint(0, config.vocab_size, (1, profile.target.seq_len), generator=torch.Generator().manual_seed(0))
     for plan in [("keep",) * 4, ("full", "op", "mlp", "attn"), ("attn", "keep", "full", "op")]:
-        apply_plan(model, mm.mode_plan(model, plan))
+        apply_plan(model, mode_plan(model, plan))
         measured = allocator_peak(model, ids)
         meter = ActivationMeter()
         with meter.measure():
             loss = model(input_ids=ids, labels=ids).loss
         del loss
         remove_plan(model)
-        assert mm.activation_peak(profile, plan)[0] == pytest.approx(measured, rel=0.01), plan
-        assert mm.predict(profile, NO_STATES, plan).saved_activations == pytest.approx(meter.bytes, rel=0.01), plan
+        assert activation_peak(profile, plan)[0] == pytest.approx(measured, rel=0.01), plan
+        assert predict(profile, NO_STATES, plan).saved_activations == pytest.approx(meter.bytes, rel=0.01), plan
 
 
 def test_dp_is_exact_and_beats_uniform_policies(tiny):
     """Against every one of the 5^4 plans, at budgets from 'nothing fits' to 'everything fits'."""
     _, _, profile = tiny
     choices = planner.available_choices(profile, "torch", offload=False)
-    rates = mm.measure_rates()
+    rates = measure_rates()
     seconds = {c: planner.choice_seconds(profile, rates, c) for c in choices}
     plans = list(itertools.product(choices, repeat=profile.num_layers))
-    peaks = {p: mm.activation_peak(profile, p)[0] for p in plans}
+    peaks = {p: activation_peak(profile, p)[0] for p in plans}
     lo, hi = min(peaks.values()), max(peaks.values())
     mixed = 0
     for limit in [lo - 1] + [lo + (hi - lo) * k // 10 for k in range(11)]:
@@ -144,16 +148,16 @@ def test_dp_with_offload_keeps_its_plans_within_the_limit(tiny):
     limit calls for offload."""
     _, _, profile = tiny
     choices = planner.available_choices(profile, "torch", offload=True)
-    assert mm.LayerChoice("full", offload=True) in choices
-    rates = mm.Rates(1e12, 1e11, 1e10, "cpu")
+    assert LayerChoice("full", offload=True) in choices
+    rates = Rates(1e12, 1e11, 1e10, "cpu")
     seconds = {c: planner.choice_seconds(profile, rates, c) for c in choices}
     plans = [p for p in itertools.product(choices, repeat=profile.num_layers) if not p[-1].offload]
-    peaks = sorted({mm.activation_peak(profile, p)[0] for p in plans})
+    peaks = sorted({activation_peak(profile, p)[0] for p in plans})
     offloaded = 0
     for limit in peaks[:: max(1, len(peaks) // 40)]:
         chosen = planner.solve(profile, limit, choices, seconds)
         if chosen is not None:
-            assert mm.activation_peak(profile, chosen)[0] <= limit, (limit, chosen)
+            assert activation_peak(profile, chosen)[0] <= limit, (limit, chosen)
             offloaded += any(c.offload for c in chosen)
     assert offloaded
 
@@ -161,9 +165,9 @@ def test_dp_with_offload_keeps_its_plans_within_the_limit(tiny):
 def test_nothing_fits_says_what_would(tiny):
     recipe, config, profile = tiny
     ds = load_ds_config(ZERO3)
-    target = mm.Target("cpu", "float32", 8, 128, 1)
-    profile8 = mm.profile_activations(config, target)
-    states = mm.model_states(profile8, ds, target)
+    target = Target("cpu", "float32", 8, 128, 1)
+    profile8 = profile_activations(config, target)
+    states = model_states(profile8, ds, target)
     smallest = planner.smallest_peak(profile8, planner.available_choices(profile8, "torch", False))[0] + states.total
     recipe8 = load_recipe(None, ["activation_checkpointing.policy=auto",
                                  f"activation_checkpointing.memory_budget={(smallest - (1 << 16)) / GIB:.9f}"])
@@ -219,10 +223,10 @@ def test_plan_cli_budget_table(capsys):
 
 
 def _real_model(recipe, layers: int, batch: int = 4, seq: int = 128):
-    config = mm.model_and_config(recipe)
-    target = mm.Target("cpu", "float32", batch, seq, 1)
+    config = model_and_config(recipe)
+    target = Target("cpu", "float32", batch, seq, 1)
     torch.manual_seed(0)
-    model = mm.fake_model(config, layers, target)  # real tensors: no fake mode here
+    model = fake_model(config, layers, target)  # real tensors: no fake mode here
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     return config, target, model, ids
 
@@ -259,8 +263,8 @@ def test_predict_run_says_what_it_cannot_model():
     from memtrain.recompute.policy import ACPlan
 
     recipe = load_recipe(None, ["train.micro_batch_size=1"])
-    config = mm.model_and_config(recipe)
-    target = mm.Target("cpu", "float32", 1, 128, 1)
+    config = model_and_config(recipe)
+    target = Target("cpu", "float32", 1, 128, 1)
     plan = ACPlan("modules", ("keep",) * 4, "torch", modules=("lm_head", "model.layers.*.mlp"))
     pred = planner.predict_run(recipe, load_ds_config(ZERO3), 1, plan, config, target)
     assert len(pred.notes) == 1 and "lm_head" in pred.notes[0] and "not modelled" in pred.notes[0]
@@ -301,7 +305,7 @@ def test_offload_prefetch_term_matches_restores_on_cpu():
     restored.clear()
     most[0] = 0
     measured = allocator_peak(model, ids)
-    input_bytes = mm.profile_activations(config, target).layers["full"].input_bytes
+    input_bytes = profile_activations(config, target).layers["full"].input_bytes
     assert pred.prefetched == PREFETCH_DEPTH * input_bytes and pred.phase.startswith("backward")
     assert most[0] == 1 + pred.prefetched // input_bytes
     assert pred.activation_peak == pytest.approx(measured, rel=0.02), pred.phase
@@ -316,15 +320,15 @@ def test_zero12_reduce_buffers_count_in_the_backward_only(tiny):
 
     _, config, profile = tiny
     ds = load_ds_config(str(ROOT / "ds_configs" / "zero2_ckpt.json"))
-    states = mm.model_states(profile, ds, mm.Target("cpu", "float32", 1, 128, 2))
+    states = model_states(profile, ds, Target("cpu", "float32", 1, 128, 2))
     assert states.reduce_buckets == 4 * int(5e7) * 2 and states.reduce_scratch > 0
     plan = ("keep",) * 4
-    backward, phase = mm.activation_peak(profile, plan)
+    backward, phase = activation_peak(profile, plan)
     assert not phase.startswith("forward")
     keep = replace(profile.layers["keep"], fwd_excess=backward - profile.base + states.backward // 4)
     forward_heavy = replace(profile, layers={**profile.layers, "keep": keep})
-    assert mm.activation_peak(forward_heavy, plan)[1].startswith("forward")
-    pred = mm.predict(forward_heavy, states, plan)
+    assert activation_peak(forward_heavy, plan)[1].startswith("forward")
+    pred = predict(forward_heavy, states, plan)
     assert pred.phase == phase and pred.reduce_buffers == states.backward
     assert pred.peak == states.total + backward + states.backward + pred.margin
 
@@ -340,8 +344,8 @@ def test_a_layer_without_an_mlp_sublayer_plans_every_other_policy():
            "num_attention_heads: 4, max_position_embeddings: 256, word_embed_proj_dim: 64}",
            "data.random_tokens=true", "data.seq_len=32"]
     recipe = load_recipe(None, opt)
-    config = mm.model_and_config(recipe)
-    profile = mm.profile_activations(config, mm.Target("cpu", "float32", 1, 32, 1))
+    config = model_and_config(recipe)
+    profile = profile_activations(config, Target("cpu", "float32", 1, 32, 1))
     assert set(profile.layers) == {"keep", "op", "attn", "full"}
     argv = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), *sum((["--set", o] for o in opt), [])]
     assert resolve_run(parse_args([*argv, "--set", "activation_checkpointing.policy=full"]), 1).plan.num_recomputed == 2
@@ -360,11 +364,11 @@ def test_predict_run_of_a_lora_run_matches_the_allocator(policy):
     from memtrain.model.freeze import freeze
 
     recipe = load_recipe(None, ["train.micro_batch_size=4", "model.lora.r=8"])
-    config = mm.model_and_config(recipe)
-    target = replace(mm.make_target(recipe, load_ds_config(ZERO3), 1, "cpu"), seq_len=128, loss="standard")
+    config = model_and_config(recipe)
+    target = replace(make_target(recipe, load_ds_config(ZERO3), 1, "cpu"), seq_len=128, loss="standard")
     assert target.lora is not None and 0 < target.trainable_params < target.all_params
     torch.manual_seed(0)
-    model = mm.fake_model(config, 4, target)  # real tensors (no fake mode): adapters added, base frozen
+    model = fake_model(config, 4, target)  # real tensors (no fake mode): adapters added, base frozen
     assert sum(p.requires_grad for p in model.parameters()) == 4 * 7 * 2  # lora_A, lora_B on 7 linears per layer
     freeze(model)
     plan = plan_for(policy, 4, backend="torch")

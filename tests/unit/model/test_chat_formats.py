@@ -39,7 +39,10 @@ def _write(path, rows):
 def _packed(tmp_path, tok, data, *sets):
     recipe = load_recipe(None, [f"data.paths=[{data}]", f"data.tokenizer={tok}", "data.seq_len=256",
                                 f"data.cache_dir={tmp_path / 'cache'}", *sets])
-    return prepare_data(recipe.data, 0)
+    packed = prepare_data(recipe.data, 0)
+    every = packed.rows(np.arange(len(packed)))  # every packed row, in order
+    packed.all_ids, packed.all_labels = every["input_ids"].numpy(), every["labels"].numpy()
+    return packed
 
 
 def _conversations(tool_args):
@@ -70,18 +73,18 @@ def test_sharegpt_rows_pack_as_chat_rows_and_the_tool_call_is_trained_on(tmp_pat
                 "data.messages_key=conversations")
     b = _packed(tmp_path, tok, _write(tmp_path / "chat.jsonl", chat), "data.format=chat")
     assert a.report["samples"] == b.report["samples"] == 3 and not a.report["skipped"] and not b.report["skipped"]
-    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.labels, b.labels)
+    assert np.array_equal(a.all_ids, b.all_ids) and np.array_equal(a.all_labels, b.all_labels)
     # parquet stores the messages as Arrow structs: every message and call gets each key any has, None where absent
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(chat), tmp_path / "chat.parquet")
     c = _packed(tmp_path, tok, tmp_path / "chat.parquet", "data.format=chat")
-    assert np.array_equal(c.ids, b.ids) and np.array_equal(c.labels, b.labels)
+    assert np.array_equal(c.all_ids, b.all_ids) and np.array_equal(c.all_labels, b.all_labels)
     hf = AutoTokenizer.from_pretrained(tok)
-    first = hf.decode(b.ids[0][: b.real[0]])  # rows pack in file order: the first sample starts the first row
+    first = hf.decode(b.all_ids[0][: b.real[0]])  # rows pack in file order: the first sample starts the first row
     assert '"city": "Paris"' in first and '"date"' not in first.split("<tool_call>")[1].split("</tool_call>")[0]
-    trained = hf.decode([int(t) for t in b.labels[0] if t != -100])
+    trained = hf.decode([int(t) for t in b.all_labels[0] if t != -100])
     assert '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>' in trained
     assert "it is sunny<|im_end|>" in trained and "sunny<|im_end|>\n<|im_start|>assistant" not in trained
     assert '"parameters"' in first  # the row's tools reached the template
@@ -97,13 +100,13 @@ def test_alpaca_input_and_system_reach_the_prompt_and_truncate_keeps_the_start(t
     sets = ["data.format=instruction", "data.prompt_key=instruction", "data.response_key=output"]
     packed = _packed(tmp_path, tok, data, *sets)
     hf = AutoTokenizer.from_pretrained(tok)
-    prompt = hf.decode([int(t) for t, label in zip(packed.ids[0], packed.labels[0]) if label == -100])
+    prompt = hf.decode([int(t) for t, label in zip(packed.all_ids[0], packed.all_labels[0]) if label == -100])
     assert prompt.startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\ntranslate\nbonjour<|im_end|>")
     assert packed.report["skipped"] == {"longer than data.seq_len": 1}
     cut = _packed(tmp_path, tok, data, *sets, "data.truncate=true")
     assert cut.report["samples"] == 2 and cut.report["truncated"] == 1 and not cut.report["skipped"]
     long = int(np.argmax(cut.real == 256))  # the truncated sample fills its row
-    assert hf.decode(cut.ids[long][:12]).startswith("<|im_start|>user\nwhy why")
+    assert hf.decode(cut.all_ids[long][:12]).startswith("<|im_start|>user\nwhy why")
 
 
 def test_a_qwen3_style_template_skips_multi_turn_rows_unless_data_chat_template_marks_the_assistant(tmp_path):
@@ -120,6 +123,6 @@ def test_a_qwen3_style_template_skips_multi_turn_rows_unless_data_chat_template_
     packed = _packed(tmp_path, tok, data, "data.format=chat", f"data.chat_template={tmp_path / 'train.jinja'}")
     assert packed.report["samples"] == 4 and not packed.report["skipped"]
     hf = AutoTokenizer.from_pretrained(tok)
-    trained = [hf.decode([int(t) for t in row if t != -100]) for row in packed.labels]
+    trained = [hf.decode([int(t) for t in row if t != -100]) for row in packed.all_labels]
     assert "".join(trained).count("<|im_end|>") == 7 and "a1<|im_end|>so<|im_end|>" in "".join(trained)
     assert "think" not in "".join(trained) and "why" not in "".join(trained)

@@ -10,7 +10,8 @@ from families import FAMILIES, REFUSED, overrides
 from memtrain.config.ds_config import load_ds_config
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.errors import UserError
-from memtrain.memory import estimate as mm
+from memtrain.memory.profile import fake_model
+from memtrain.memory.target import Target, model_and_config
 from memtrain.memory import planner
 from memtrain.model.build import build_config, build_model
 from memtrain.recompute.hooks import apply_plan, remove_plan
@@ -60,10 +61,10 @@ def test_planned_activation_peak_matches_the_allocator(family):
     allocator's own events (torch.profiler): within 5%. Measured on this machine (2026-11-25): all within 3%;
     the prediction is under by the CPU kernels' own scratch (SDPA's backward), which fake tensors cannot see."""
     recipe = load_recipe(None, [*overrides(family), "train.micro_batch_size=2", "data.seq_len=64"])
-    config = mm.model_and_config(recipe)
-    target = mm.Target("cpu", "float32", 2, 64, 1)
+    config = model_and_config(recipe)
+    target = Target("cpu", "float32", 2, 64, 1)
     torch.manual_seed(0)
-    model = mm.fake_model(config, 4, target)  # real tensors: no fake mode here
+    model = fake_model(config, 4, target)  # real tensors: no fake mode here
     ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     ds_config = load_ds_config(ZERO3)
     for policy in PLANNED:

@@ -10,7 +10,9 @@ import torch
 
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.errors import UserError
-from memtrain.memory import estimate as mm
+from memtrain.memory.profile import profile_activations
+from memtrain.memory.states import model_states
+from memtrain.memory.target import make_target, model_and_config
 from memtrain.model.build import build_config, build_model
 from memtrain.model.freeze import count_trainable, freeze, trainable_names
 from memtrain.train import preflight
@@ -86,14 +88,14 @@ def test_freeze_leaves_no_gradient_and_keeps_the_first_layers_gradient_with_a_fr
 
 def test_planner_counts_gradients_and_adam_states_of_trainable_parameters_only():
     recipe = load_recipe(None, ["train.frozen=[model.embed_tokens.*,*.self_attn.*]"])
-    target = mm.make_target(recipe, {"zero_optimization": {"stage": 3}}, 1, "cpu")
-    model = build_model(recipe.model, mm.model_and_config(recipe))
+    target = make_target(recipe, {"zero_optimization": {"stage": 3}}, 1, "cpu")
+    model = build_model(recipe.model, model_and_config(recipe))
     assert (target.trainable_params, target.all_params) == (
         count_trainable(model, frozen=recipe.train.frozen), sum(p.numel() for p in model.parameters()))
-    full_target = mm.make_target(load_recipe(None), {"zero_optimization": {"stage": 3}}, 1, "cpu")
-    profile = mm.profile_activations(mm.model_and_config(recipe), full_target, ("keep",))
+    full_target = make_target(load_recipe(None), {"zero_optimization": {"stage": 3}}, 1, "cpu")
+    profile = profile_activations(model_and_config(recipe), full_target, ("keep",))
     ds = {"zero_optimization": {"stage": 3}}
-    frozen, full = mm.model_states(profile, ds, target), mm.model_states(profile, ds, full_target)
+    frozen, full = model_states(profile, ds, target), model_states(profile, ds, full_target)
     ratio = target.trainable_params / target.all_params
     assert frozen.params == full.params
     assert frozen.grads == pytest.approx(full.grads * ratio, abs=4) and frozen.optimizer == pytest.approx(

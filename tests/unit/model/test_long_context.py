@@ -263,22 +263,23 @@ def test_sequence_parallel_rejects_zero0_and_json_mismatch(capsys, tmp_path):
 
 def _planned_and_measured(sets, layers=2, batch=4, seq=256):
     from memtrain.config.recipe import load_recipe
-    from memtrain.memory import estimate as mm
+    from memtrain.memory.profile import fake_model
+    from memtrain.memory.target import make_target, model_and_config
     from memtrain.memory.planner import predict_run
     from memtrain.recompute.hooks import apply_plan
     from memtrain.recompute.policy import plan_for
 
     recipe = load_recipe(None, [f"train.micro_batch_size={batch}", f"data.seq_len={seq}",
                                 f"model.config.num_hidden_layers={layers}", *sets])
-    config = mm.model_and_config(recipe)
-    target = mm.make_target(recipe, {}, 1, "cpu")
+    config = model_and_config(recipe)
+    target = make_target(recipe, {}, 1, "cpu")
     plan = plan_for("full", layers, backend="torch")
     pred = predict_run(recipe, json.loads(DS.read_text()), 1, plan, config, target)
     torch.manual_seed(0)
-    model = mm.fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
+    model = fake_model(config, layers, target)  # real tensors (no fake mode): the run's loss and tiling
     apply_plan(model, plan)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    # chat rows: two samples per row, positions restarting at the second (memtrain.model.chat_data.pack)
+    # chat rows: two samples per row, positions restarting at the second (memtrain.model.chat_data.PackedChat)
     packed = {"position_ids": torch.arange(seq // 2).repeat(2).expand(batch, -1)} if target.packed else {}
     return pred, allocator_peak(model, ids, **packed)
 
@@ -324,7 +325,7 @@ def test_planner_host_memory_of_offloaded_inputs_and_sequence_parallel_tokens():
     """Offloaded checkpoint inputs on the host: layers x tokens x hidden x bytes (all but the last
     layer, which keeps its input); under parallel.sequence the target holds seq / sp tokens."""
     from memtrain.config.recipe import load_recipe
-    from memtrain.memory import estimate as mm
+    from memtrain.memory.target import make_target
     from memtrain.memory.planner import predict_run
     from memtrain.recompute.policy import plan_for
 
@@ -332,7 +333,7 @@ def test_planner_host_memory_of_offloaded_inputs_and_sequence_parallel_tokens():
     ds["activation_checkpointing"]["cpu_checkpointing"] = True
     for sp in (1, 2):
         recipe = load_recipe(None, ["data.seq_len=256", "train.micro_batch_size=2", f"parallel.sequence={sp}"])
-        target = mm.make_target(recipe, ds, 2, "cpu")
+        target = make_target(recipe, ds, 2, "cpu")
         assert target.seq_len == 256 // sp
         plan = plan_for("full", 4, recipe.activation_checkpointing, ds_config=ds, backend="torch")
         pred = predict_run(recipe, ds, 2, plan, None, target)

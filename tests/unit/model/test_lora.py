@@ -13,7 +13,9 @@ import torch
 from conftest import ROOT
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.errors import UserError
-from memtrain.memory import estimate as mm
+from memtrain.memory.profile import profile_activations
+from memtrain.memory.states import model_states
+from memtrain.memory.target import make_target, model_and_config
 from memtrain.model.build import build_config, build_model
 from memtrain.model.lora import add_lora
 
@@ -34,11 +36,11 @@ def test_planner_lora_run_keeps_states_for_the_adapters_only():
     ds = json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text())
     recipe = load_recipe(str(ROOT / "recipes" / "llama-1b.yaml"), ["model.config.num_hidden_layers=2"])
     lora = load_recipe(str(ROOT / "recipes" / "llama-1b.yaml"), ["model.config.num_hidden_layers=2", "model.lora.r=16"])
-    config = mm.model_and_config(recipe)
-    full_t, lora_t = (mm.make_target(r, ds, 1, "cuda") for r in (recipe, lora))
+    config = model_and_config(recipe)
+    full_t, lora_t = (make_target(r, ds, 1, "cuda") for r in (recipe, lora))
     assert lora_t.trainable_params < 0.02 * lora_t.all_params
-    full_profile, lora_profile = (mm.profile_activations(config, t, ("keep",)) for t in (full_t, lora_t))
-    full_states, lora_states = mm.model_states(full_profile, ds, full_t), mm.model_states(lora_profile, ds, lora_t)
+    full_profile, lora_profile = (profile_activations(config, t, ("keep",)) for t in (full_t, lora_t))
+    full_states, lora_states = model_states(full_profile, ds, full_t), model_states(lora_profile, ds, lora_t)
     assert lora_profile.num_params - full_profile.num_params == lora_t.trainable_params  # the adapters' weights
     assert lora_states.optimizer < 0.02 * full_states.optimizer and lora_states.grads < 0.02 * full_states.grads
 

@@ -105,7 +105,9 @@ def _real_bytes(model) -> int:
 def test_planner_counts_the_4bit_base_within_1_percent(double_quant):
     """The planner's parameter bytes (memtrain.memory.states: 4-bit codes, quant states, the rest in its dtype, the
     adapters) against the real quantized model's tensors, counted one by one."""
-    from memtrain.memory import estimate as mm
+    from memtrain.memory.profile import profile_activations
+    from memtrain.memory.states import model_states
+    from memtrain.memory.target import make_target, model_and_config
     from memtrain.model.lora import add_lora
     from memtrain.model.quantize import quantize_base
 
@@ -114,9 +116,9 @@ def test_planner_counts_the_4bit_base_within_1_percent(double_quant):
                                 f"model.quantization.double_quant={str(double_quant).lower()}",
                                 "train.micro_batch_size=1"])
     ds = {"train_micro_batch_size_per_gpu": 1}
-    config = mm.model_and_config(recipe)
-    target = mm.make_target(recipe, ds, 1, "cpu")
-    states = mm.model_states(mm.profile_activations(config, target, ("keep",)), ds, target)
+    config = model_and_config(recipe)
+    target = make_target(recipe, ds, 1, "cpu")
+    states = model_states(profile_activations(config, target, ("keep",)), ds, target)
     model = build_model(recipe.model, config)
     dense = _real_bytes(model)
     quantize_base(model, recipe.model.quantization, "float32", "cpu")

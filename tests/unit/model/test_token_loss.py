@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.model.build import build_config, build_model
-from memtrain.model.chat_data import PackedChat
+from memtrain.model.chat_data import ChatSamples, PackedChat
 from memtrain.model.data import PackedData, RandomTokens, prepare_data, save_tokenizer
 from memtrain.train.parallel import Layout
 from chatml import TEMPLATE
@@ -74,9 +74,10 @@ def test_every_rank_counts_the_steps_labelled_tokens_from_the_data(setup, world,
                    for m in range(accum) for r in range(world))
         assert packed.labelled_tokens(step, world, micro, accum) == read
     # a sample that ends at the row's end: its last token is trained on, its first never is
-    labels = np.full((3, 8), -100)
-    labels[:, -3:] = 7
-    chat = PackedChat(np.zeros((3, 8), dtype=np.int64), labels, np.zeros((3, 8), dtype=np.int64), np.full(3, 8), 257, 0, {})
+    mask = np.zeros((3, 8), dtype=np.uint8)
+    mask[:, -3:] = 1
+    samples = ChatSamples(np.full(24, 7), mask.ravel(), np.arange(0, 25, 8), np.full(3, 3), {}, 256)
+    chat = PackedChat(samples, load_recipe(None, ["data.seq_len=8"]).data, 257, 0)
     assert chat.labelled_tokens(0, 1, 3, 1) == 9
     layout = Layout(world=world, tp=1, dp_rank=0, dp_size=world)
     for text in (PackedData(np.zeros((10, 32), dtype=np.uint16), 257, 0), RandomTokens(257, 32, 0)):

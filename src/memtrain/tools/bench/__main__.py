@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from memtrain.errors import UserError, cli_entry
 from memtrain.config.recipe import load_recipe
@@ -41,6 +42,7 @@ from memtrain.tools.bench.runner import TIMED_OUT, Runner
 from memtrain.train.checkpoint import atomic_write_text
 from memtrain.train.compile_choice import device_slug
 from memtrain.tools.bench.table import gpu_check_markdown, gpu_check_targets, markdown, targets
+from memtrain.tools.bench.long_seq import long_part_markdown, run_long_part
 
 SMOKE = ["model.config.num_hidden_layers=2", "data.seq_len=64", "train.micro_batch_size=2"]
 SMOKE_STEPS, SMOKE_WARMUP = 2, 1
@@ -128,8 +130,6 @@ def same_failure_twice(results: list[dict]) -> bool:
 
 
 def gpu_check(args) -> None:
-    from tqdm import tqdm
-
     names = setup_names(args.setups) if args.setups else list(GPU_CHECK_SETUPS)
     timeout_s = GPU_CHECK_TIMEOUT_S if args.setup_timeout is None else args.setup_timeout
     if not torch.cuda.is_available():
@@ -179,7 +179,6 @@ def gpu_check(args) -> None:
         return
 
     # long sequences on one GPU (memtrain.tools.bench.long_seq)
-    from memtrain.tools.bench.long_seq import long_part_markdown, run_long_part
 
     runners = []
 
@@ -209,8 +208,6 @@ def main(argv=None) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     """make bench, or with args.gpu_check the GPU acceptance run."""
-    from tqdm import tqdm
-
     if args.setup_timeout is not None and args.setup_timeout <= 0:
         raise UserError(f"--setup-timeout: must be positive seconds (got {args.setup_timeout:g})")
     if args.resume and not args.gpu_check:

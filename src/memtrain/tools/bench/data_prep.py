@@ -48,8 +48,8 @@ def train_bpe(corpus: Path, out: Path, vocab: int = 8000) -> Path:
     """A byte-level BPE tokenizer trained on the first 20 MB of `corpus`, saved where data.tokenizer can name it."""
     if (out / "tokenizer.json").is_file():
         return out
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415 tokenizers: kept off --help (this module builds the parser)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 transformers: heavy, kept off --help
 
     def texts():
         with open(corpus, encoding="utf-8") as f:
@@ -72,7 +72,7 @@ def train_bpe(corpus: Path, out: Path, vocab: int = 8000) -> Path:
 def _run_measured(argv: list[str]) -> dict:
     """Run `argv`; its wall seconds, wait4's peak RSS (the largest of it and its workers) and the sampled peak of
     their summed RSS."""
-    import psutil
+    import psutil  # noqa: PLC0415 psutil: kept off --help (this module builds the parser)
 
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -30,6 +30,7 @@ import textwrap
 from datetime import date
 from pathlib import Path
 from typing import Optional
+from importlib.metadata import version
 
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.tools.bench.runner import Runner
@@ -95,10 +96,10 @@ def targets(results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     rows = [r for r in results if "tokens_per_s" in r]
     base = next((r for r in rows if r["setup"] == "torch:noac"), None)
@@ -114,7 +115,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         ax.text(v + 0.01, y, f"{v:.2f}", va="center", fontsize=8)
     ax.set_xlabel("tokens/s relative to plain PyTorch without recompute (torch:noac)")
     ax.set_title(textwrap.fill(title, 100), fontsize=8)
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # noqa: PLC0415 matplotlib: heavy, kept off --help
 
     fig.legend(handles=[Patch(color="#888888", label="plain PyTorch"),
                         Patch(color="#d62728", label="memtrain without leaf layers / residency"),
@@ -133,8 +134,6 @@ def _machine() -> str:
 
 
 def _versions() -> str:
-    from importlib.metadata import version
-
     return ", ".join(f"{p} {version(p)}" for p in ("torch", "deepspeed", "transformers"))
 
 
@@ -149,7 +148,7 @@ def median_runs(runs: list[dict]) -> dict:
 
 
 def run(names: list[str], steps: int, warmup: int, cores: int, out: Path, repeats: int = 3) -> list[dict]:
-    from tqdm import tqdm
+    from tqdm import tqdm  # noqa: PLC0415 tqdm: kept off --help (this module builds the parser)
 
     available = sorted(os.sched_getaffinity(0))
     if not 1 <= cores <= len(available):

@@ -103,7 +103,7 @@ class Runner:
         if proc.returncode is None:
             result.update(oom=False, error=f"{TIMED_OUT} after {self.timeout_s:g} s (killed)")
             return result
-        from memtrain.train.faults import is_oom_text  # here: faults imports torch, which --help must not wait for
+        from memtrain.train.faults import is_oom_text  # noqa: PLC0415 here: faults imports torch, which --help must not wait for
 
         text = proc.stderr + proc.stdout
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]

@@ -1,0 +1,37 @@
+"""The step-time model's overhead rates fitted from measured steps: non-negative least squares over the counts.
+
+Each measured run gives its step's seconds beyond every other term of the model (`StepTime.terms` less
+"overhead") and what the overhead term counts (`StepTime.counts`). The rates are the non-negative
+seconds per count that fit those best (least squares over every subset of rates, the best one whose
+rates are all >= 0: exact for the three rates the model has).
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+# count name (StepTime.counts) -> the overhead figure of the hardware sheet it sets
+RATES = {"layer_calls": "layer_s", "collective_calls": "collective_s", "steps": "step_s"}
+
+
+def fit_overheads(counts: list[dict], extra_seconds: list[float]) -> dict[str, float]:
+    """{sheet figure: seconds per count} minimising the squared error of counts x rates against `extra_seconds`
+    (each run's measured step seconds less the model's other terms), every rate >= 0."""
+    if len(counts) != len(extra_seconds) or len(counts) < len(RATES):
+        raise ValueError(f"fit_overheads: needs at least {len(RATES)} runs with their counts")
+    names = list(RATES)
+    a = np.array([[c[n] for n in names] for c in counts], dtype=float)
+    y = np.array(extra_seconds, dtype=float)
+    best, best_err = np.zeros(len(names)), float(y @ y)
+    for k in range(1, len(names) + 1):
+        for cols in itertools.combinations(range(len(names)), k):
+            sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            x = np.zeros(len(names))
+            x[list(cols)] = sol
+            err = float(((a @ x - y) ** 2).sum())
+            if err < best_err - 1e-18:
+                best, best_err = x, err
+    return {RATES[n]: float(v) for n, v in zip(names, best)}
