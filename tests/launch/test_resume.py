@@ -20,7 +20,7 @@ from memtrain.tools.tb import read_scalars
 STEPS = 10
 EVAL_BATCHES = 2
 # compiled layers (train.compile): a resumed compiled run equals a straight compiled run; eager runs resume exactly in
-# tests/test_slurm.py (requeue), tests/test_multinode.py and tests/test_lora.py
+# tests/launch/test_slurm.py (requeue), tests/launch/test_multinode.py and tests/launch/test_lora.py
 ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--set", "model.config.attention_dropout=0.2",
         "--set", "train.compile=true", "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
         "--set", EVAL_PATHS, "--set", "train.eval_every=4",

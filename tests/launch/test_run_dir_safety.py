@@ -186,7 +186,7 @@ def test_resume_refuses_or_falls_back_on_each_damaged_file(finished, tmp_path):
     assert str(e.value) == (f"--resume: {run / 'checkpoints' / tag_for(4)}/zero_pp_rank_0_mp_rank_00_model_states.pt:"
                             " 'model.layers.0.mlp.gate_proj.weight' has shape [352, 128] in the model checkpoint but "
                             "[256, 128] in this recipe's model; the recipe's model differs from the run's (model.*)")
-    # another world size resumes through DeepSpeed's universal checkpoint (tests/test_reshard.py), ZeRO-3 only
+    # another world size resumes through DeepSpeed's universal checkpoint (tests/launch/test_reshard.py), ZeRO-3 only
     with pytest.raises(UserError, match=r"was saved by 1 ranks, this launch has 2; .* ZeRO stage 3 only .* relaunch "
                                         "with 1"):
         _resume_check(run, "--max-steps", "6", "--deepspeed", str(ROOT / "ds_configs" / "zero2_ckpt.json"), world=2)
