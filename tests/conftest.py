@@ -9,32 +9,20 @@ from typing import Optional
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "src" / "train.py"
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from launching import ROOT, TRAIN, Launch, _env, _free_port, launch_cmd, processes, run_launch  # noqa: E402,F401
 
 # Small and fast, but the real model/data/engine path.
 FAST = ["--set", "data.seq_len=64", "--set", "train.micro_batch_size=4", "--set", "data.max_bytes=400000",
         "--set", "train.log_every=1"]  # one TensorBoard point per step
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    # this checkout first; keep what the caller's PYTHONPATH adds (e.g. wheels unpacked beside the image)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
-    env["PYTHONWARNINGS"] = "ignore"
-    return env
-
-
 def run_train(args: list[str], nproc: int = 0, timeout: int = 600, cwd: Path = ROOT,
               env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    """nproc=0: `python src/train.py`; nproc>=1: the real `deepspeed` launcher with nproc CPU ranks."""
-    if nproc:
-        deepspeed = Path(sys.executable).with_name("deepspeed")
-        cmd = [str(deepspeed), "--num_gpus", str(nproc), "--master_port", str(_free_port()), str(TRAIN), *args]
-    else:
-        cmd = [sys.executable, str(TRAIN), *args]
-    return subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+    """nproc=0: `python src/train.py`; nproc>=1: the real `deepspeed` launcher with nproc CPU ranks. On a
+    time-out every process of the launch is killed (tests/launching.py)."""
+    return run_launch(launch_cmd(TRAIN, args, nproc), timeout=timeout, cwd=cwd, env=env)
 
 
 # held-out data for eval tests: the standard library's json package (the default training corpus reads the top level)
@@ -76,14 +64,6 @@ def _workers(launcher: subprocess.Popen) -> dict:
         if str(TRAIN) in cmd and rank is not None:
             out[int(rank)] = p
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:

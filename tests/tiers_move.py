@@ -518,6 +518,8 @@ def split(path: Path) -> list[Path]:
     for dest, idx in parts.items():
         for i in needed([chunks[j][0] for j in idx], chunks):
             users.setdefault(i, []).append(dest)
+    if not parts:
+        sys.exit(f"tiers_move: {path.name}: no test in it; move it by hand")
     home = next((d for d in parts if d.startswith("unit/")), max(parts, key=lambda d: len(parts[d])))
     written = []
     for dest, idx in parts.items():

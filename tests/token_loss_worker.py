@@ -1,4 +1,4 @@
-"""Run by tests/test_token_loss.py: memtrain's trainer, several runs in one process (plain python for one rank, the
+"""Run by tests/launch/test_token_loss.py: memtrain's trainer, several runs in one process (plain python for one rank, the
 real deepspeed launcher for two), each recording the first optimizer step's full gradients.
 
 `python tests/token_loss_worker.py RUNS.json`: RUNS.json is a list of {"argv": [...src/train.py flags...],

@@ -1,4 +1,4 @@
-"""Run by tests/test_tp_dropout.py under the real `deepspeed` launcher (2 gloo ranks, AutoTP 2 = one tensor-parallel
+"""Run by tests/launch/test_tp_dropout.py under the real `deepspeed` launcher (2 gloo ranks, AutoTP 2 = one tensor-parallel
 group): dropout under tensor parallelism, several checks in one launch. Each rank writes what it measured to
 OUT/rank<R>.json; the test compares the ranks and the references.
 

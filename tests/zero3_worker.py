@@ -33,7 +33,7 @@ GRAD_POLICIES = ("none", "full", "every:2", "sqrt", "selective:attn", "selective
 CASES = [("leaf", "none", "auto", STEPS), ("leaf", "full", "torch", STEPS), ("leaf", "full", "deepspeed", STEPS),
          ("leaf", "op", "auto", STEPS), ("hooked", "full", "auto", STEPS), ("hooked", "full", "torch", STEPS)]
 CASES += [(v, p, "auto", 1) for p in GRAD_POLICIES for v in ("leaf", "hooked") if (v, p, "auto", STEPS) not in CASES]
-# compositions and a sublayer on DeepSpeed's checkpoint (the trainer itself runs sqrt: tests/test_ac_policies.py)
+# compositions and a sublayer on DeepSpeed's checkpoint (the trainer itself runs sqrt: tests/launch/test_ac_policies.py)
 COMPOSED = (("op+first:2", "auto"), ("selective:mlp", "deepspeed"))
 CASES += [("leaf", p, b, 1) for p, b in COMPOSED]
 # frozen embedding (the first layer's input then needs no grad: DeepSpeed's reentrant checkpoint would give its
@@ -152,7 +152,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
 def as_on_a_gpu():
     """The run's RecomputeSpec resolved as for a CUDA device: the JSON's cpu_checkpointing takes effect (memtrain's
     offload; on a CPU it is a no-op), the rest of the run stays on the CPU. The offloader's copies are then plain
-    host copies; CUDA's stream ordering of them is what tests/test_offload.py checks with DeferredCopies."""
+    host copies; CUDA's stream ordering of them is what tests/unit/recompute/test_offload.py checks with DeferredCopies."""
     import dataclasses
 
     from memtrain.config import recompute_spec

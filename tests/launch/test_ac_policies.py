@@ -10,7 +10,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # sqrt: DeepSpeed's checkpoint (hooked layers). The other policies under ZeRO-3 on 2 ranks, with the trainer's engine
-# set-up but without a launch each: tests/test_zero3_hooks.py
+# set-up but without a launch each: tests/launch/test_zero3_hooks.py
 ZERO3_RUNS = {"sqrt": []}
 
 

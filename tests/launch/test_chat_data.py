@@ -3,12 +3,10 @@ whole with no attention across them, bad rows counted in one line, and a trainer
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, _env
+from conftest import ROOT, run_train
 from memtrain.config.recipe import load_recipe
 from memtrain.model.data import prepare_data, save_tokenizer
 from chatml import TEMPLATE
@@ -50,16 +48,15 @@ def test_trainer_trains_on_chat_rows_and_counts_real_tokens(tokenizer_dir, tmp_p
     template.write_text("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
                         "{% endif %}" + TEMPLATE)
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), "--deepspeed",
-                           str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--run-dir", str(run),
-                           "--set", f"data.paths=[{data}]", "--set", "data.format=chat",
-                           "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.seq_len=128",
-                           "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.micro_batch_size=2",
-                           "--set", f"data.chat_template={template}",
-                           "--set", "train.max_steps=4", "--set", "train.log_every=4",
-                           "--set", "train.metric_warmup_steps=0",  # saves: final/ holds the template
-                           "--set", f"data.eval_paths=[{held_out}]", "--set", "train.eval_batches=5"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_train(["--deepspeed",
+                      str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--run-dir", str(run),
+                      "--set", f"data.paths=[{data}]", "--set", "data.format=chat",
+                      "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.seq_len=128",
+                      "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.micro_batch_size=2",
+                      "--set", f"data.chat_template={template}",
+                      "--set", "train.max_steps=4", "--set", "train.log_every=4",
+                      "--set", "train.metric_warmup_steps=0",  # saves: final/ holds the template
+                      "--set", f"data.eval_paths=[{held_out}]", "--set", "train.eval_batches=5"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "data: chat, 40 samples in " in proc.stdout and ("skipped 2 of 42: 1 no assistant turn, 1 template error: "
                                                            "System role not supported") in proc.stdout

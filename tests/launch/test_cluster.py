@@ -244,23 +244,19 @@ def test_a_frozen_rank_ends_the_others_within_the_collective_timeout(tmp_path):
     (10 to 30 minutes). A killed rank closes its sockets and is noticed at once, so it cannot test this."""
     import signal
     import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import psutil
 
-    from conftest import TRAIN, _env, _free_port
-    from conftest import _workers
+    from conftest import TRAIN, Launch, _workers, launch_cmd
 
     timeout_s = 15
     run = tmp_path / "run"
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(_free_port()),
-           str(TRAIN), *FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--max-steps", "100000",
-           "--set", "data.random_tokens=true", "--set", "train.save_interval=2",
-           "--set", f"train.collective_timeout_s={timeout_s}", "--run-dir", str(run)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    launch = Launch(launch_cmd(TRAIN, [
+        *FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--max-steps", "100000",
+        "--set", "data.random_tokens=true", "--set", "train.save_interval=2",
+        "--set", f"train.collective_timeout_s={timeout_s}", "--run-dir", str(run)]), stderr=subprocess.STDOUT)
+    proc = launch.proc
     frozen = None
     try:
         deadline = time.time() + 600
@@ -279,7 +275,6 @@ def test_a_frozen_rank_ends_the_others_within_the_collective_timeout(tmp_path):
         if frozen is not None and frozen.is_running():
             frozen.kill()
         if proc.poll() is None:
-            import os
-            os.killpg(proc.pid, signal.SIGKILL)
+            launch.kill()
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0, out[-3000:]

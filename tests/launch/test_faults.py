@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 
-from conftest import _env, all_finite, kill_in_save_env, poison_after_step_env, FAST, ROOT, TRAIN, assert_ok, run_train
+from conftest import _env, all_finite, kill_in_save_env, poison_after_step_env, FAST, ROOT, assert_ok, run_train
 from memtrain.train.checkpoint import tag_for
 from memtrain.tools.tb import read_scalars
 
@@ -28,8 +28,7 @@ def test_kill_during_save_then_resume_from_previous_good_checkpoint(tmp_path):
     checkpoints = run / "checkpoints"
     args = [*FAST, "--max-steps", "6", "--set", "train.save_interval=2", "--run-dir", str(run)]
     env = kill_in_save_env(tmp_path, 4)  # SIGKILL after step 4's shards are written, as they are renamed
-    killed = subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
+    killed = run_train(args, env=env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert (checkpoints / f".tmp-{tag_for(4)}").is_dir() and not (checkpoints / tag_for(4)).exists()
     assert (checkpoints / "latest").read_text() == tag_for(2)  # never points at the partial save
@@ -81,9 +80,8 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
     """Weights that turn NaN in step 2's update, while step 2's loss was still finite: the save after step 2
     refuses, the run fails with one line, and "last good" names step 1, whose every tensor is finite."""
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(TRAIN), *FAST, "--max-steps", "6", "--set", "train.save_interval=1",
-                           "--run-dir", str(run)], cwd=ROOT, env=poison_after_step_env(tmp_path, 2),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_train([*FAST, "--max-steps", "6", "--set", "train.save_interval=1", "--run-dir", str(run)],
+                     env=poison_after_step_env(tmp_path, 2))
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "memtrain: error:" in line]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

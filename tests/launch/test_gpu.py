@@ -1,19 +1,17 @@
 """GPU-only: the real trainer through the launcher on every visible GPU (NCCL), stopped once by a signal.
 
-Skipped without CUDA (CI has none); run on a GPU machine with `python -m pytest -q tests/test_gpu.py`.
+Skipped without CUDA (CI has none); run on a GPU machine with `python -m pytest -q tests/launch/test_gpu.py`.
 """
 import json
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from conftest import FAST, ROOT, TRAIN, _env, _free_port
+from conftest import FAST, TRAIN, Launch, _free_port, _workers
 from memtrain.tools.tb import read_scalars
-from conftest import _workers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,18 +24,15 @@ def test_trainer_on_every_gpu_stops_together_on_one_signal(tmp_path):
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ngpus), "--master_port",
            str(_free_port()), str(TRAIN), *FAST, "--set", "train.log_every=3", "--max-steps", "100000",
            "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with Launch(cmd) as launch:
+        proc = launch.proc
         deadline = time.time() + 300
         while not list((run_dir / "tb").glob("events.out.tfevents.*")) or not read_scalars(run_dir / "tb").get(
                 "train/loss"):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.2)
         _workers(proc)[ngpus - 1].send_signal(signal.SIGUSR1)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        out, err = launch.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGUSR1", summary

@@ -6,13 +6,11 @@ launcher and 2 gloo ranks (tests/long_context_worker.py) checks ZeRO-1/2/3, sequ
 tied embeddings and ignored labels against a plain-torch reference, then runs the trainer.
 """
 import json
-import subprocess
-import sys
 
 import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
 import pytest
 
-from conftest import ROOT, _env, _free_port, eval_loss_by_hand
+from conftest import ROOT, eval_loss_by_hand, launch_cmd, run_launch
 from families import SP_GQA
 
 
@@ -20,11 +18,7 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
     """One launch: SP=2 vs one-rank full sequence for ZeRO-3/2/1 and with LoRA adapters, fused vs standard under
     ZeRO-3 with tied embeddings and ignored labels, slices vs DeepSpeed's adapter, then the trainer."""
     out = tmp_path / "cases.jsonl"
-    deepspeed_bin = ROOT / ".venv" / "bin" / "deepspeed"
-    deepspeed_bin = deepspeed_bin if deepspeed_bin.exists() else __import__("pathlib").Path(sys.executable).with_name("deepspeed")
-    proc = subprocess.run([str(deepspeed_bin), "--num_gpus", "2", "--master_port", str(_free_port()),
-                           str(ROOT / "tests" / "long_context_worker.py"), str(out)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_launch(launch_cmd(ROOT / "tests" / "long_context_worker.py", [str(out)]), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
     for case in ("dp-fused-z3", "dp-standard-z3", "sp-fused-tiled-z3", "sp-standard-z2", "sp-fused-z1", "sp-lora-z3"):

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import allocator_peak, FAST, ROOT, assert_ok, run_train
+from conftest import allocator_peak, FAST, ROOT, assert_ok, launch_cmd, run_launch, run_train
 
 from memtrain.memory.predict import activation_peak
 from memtrain.memory.profile import fake_model, mode_plan, profile_activations
@@ -51,12 +51,7 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
     rank's partition holds). The same launch counts one optimizer step's collective bytes against
     memtrain.memory.comm_volume, and the step's peak of CPU tensor bytes against memtrain.memory.predict (see
     below)."""
-    from conftest import _env, _free_port
-
-    launcher = str(__import__("pathlib").Path(sys.executable).with_name("deepspeed"))
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(_free_port()),
-                           str(ROOT / "tests" / "ds_model_states.py"), str(tmp_path), *STATE_CASES],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_launch(launch_cmd(ROOT / "tests" / "ds_model_states.py", [str(tmp_path), *STATE_CASES]), timeout=600)
     assert_ok(proc)
     exact = {"params": "params", "grads": "grads", "optimizer": ("master", "adam"), "buckets": "buckets",
              "persistent": "persistent", "host": "host", "reduce_buckets": "reduce_buckets"}

@@ -4,26 +4,23 @@ Attention dropout is on, so every step draws from the torch RNG: a resume that d
 RNG streams would draw other masks and lose bit-equality from the first resumed step. The first test's layers are
 compiled (train.compile), whose dropout draws inside the compiled region."""
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from conftest import (EVAL_PATHS, FAST, TRAIN, ROOT, _env, _free_port, assert_ok, cut_back, eval_loss_by_hand,
-                      run_train)
+from conftest import (EVAL_PATHS, FAST, TRAIN, ROOT, Launch, _env, _workers, assert_ok, cut_back, eval_loss_by_hand,
+                      launch_cmd, processes, run_train)
 from memtrain.train.checkpoint import tag_for
 from memtrain.tools.tb import read_scalars
-from conftest import _workers
 
 STEPS = 10
 EVAL_BATCHES = 2
 # compiled layers (train.compile): a resumed compiled run equals a straight compiled run; eager runs resume exactly in
-# tests/test_slurm.py (requeue), tests/test_multinode.py and tests/test_lora.py
+# tests/launch/test_slurm.py (requeue), tests/launch/test_multinode.py and tests/launch/test_lora.py
 ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--set", "model.config.attention_dropout=0.2",
         "--set", "train.compile=true", "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
         "--set", EVAL_PATHS, "--set", "train.eval_every=4",
@@ -33,20 +30,15 @@ ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--s
 def _preempted_run(run_dir: Path) -> subprocess.CompletedProcess:
     """Launch 2 ranks; once the step-3 checkpoint is complete, SIGTERM rank 1 only (as a scheduler would
     signal some task): every rank must stop together at the next step boundary and save."""
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(_free_port()),
-           str(TRAIN), *ARGS, "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with Launch(launch_cmd(TRAIN, [*ARGS, "--run-dir", str(run_dir)])) as launch:
+        proc = launch.proc
         deadline = time.time() + 600
         while not (run_dir / "checkpoints" / tag_for(3)).is_dir():
             assert proc.poll() is None and time.time() < deadline, "run ended before its step-3 checkpoint"
             time.sleep(0.05)
         _workers(proc)[1].send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        out, err = launch.communicate(timeout=600)
+    return subprocess.CompletedProcess(launch.cmd, proc.returncode, out, err)
 
 
 def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
@@ -184,17 +176,13 @@ def test_make_trains_launch_stops_cleanly(tmp_path, to, stop):
 def _stopped_launch(launcher: list[str], run: Path, env: dict, stop: str):
     """A 2-rank launch of 40 steps that a stop signal ends early: it saved and said so at step 5 or 6, no process of
     it remains, and neither a traceback nor a warning was printed. (process, stdout, stderr)"""
-    cmd = [*launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(TRAIN), *FAST, "--max-steps", "40",
-           "--set", "train.log_every=1000", "--run-dir", str(run)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=300)  # EOF: every process holding the pipes (launch.py, ranks) is exiting
+    args = [*FAST, "--max-steps", "40", "--set", "train.log_every=1000", "--run-dir", str(run)]
+    with Launch(launch_cmd(TRAIN, args, launcher=launcher), env=env) as launch:
+        out, err = launch.communicate(timeout=300)  # EOF: every process holding the pipes (launch.py, ranks) is exiting
         deadline = time.time() + 10  # a process closes its files before it has ended
-        while (left := _session(proc.pid)) and time.time() < deadline:
+        while (left := processes(launch.sid)) and time.time() < deadline:
             time.sleep(0.1)
-    finally:
-        _kill_session(proc.pid)
+    proc = launch.proc
     assert left == [], "a process of the launch outlived its launcher"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["stop_signal"] == stop, (summary, err[-3000:])
@@ -206,37 +194,17 @@ def _stopped_launch(launcher: list[str], run: Path, env: dict, stop: str):
     return proc, out, err
 
 
-def _session(sid: int) -> list[psutil.Process]:
-    """The processes of session `sid` that have not ended (a zombie has: it waits only to be reaped)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (OSError, psutil.Error):
-            pass
-    return found
-
-
-def _kill_session(sid: int) -> None:
-    for p in _session(sid):
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-
-
 def test_stop_signal_during_start_up_ends_preempted_and_the_requeue_starts_cleanly(tmp_path):
     """SIGUSR1 1.5 s after launch, while the process still imports and validates: recorded, not fatal. The run
     ends preempted with no step and no model checkpoint; the requeue (--overwrite, as slurm/train.sbatch does
     without a checkpoint) trains from step 0 to the end."""
     run = tmp_path / "run"
     args = [*FAST, "--max-steps", "3", "--run-dir", str(run)]
-    proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
-    proc.send_signal(signal.SIGUSR1)
-    out, err = proc.communicate(timeout=600)
+    with Launch(launch_cmd(TRAIN, args, nproc=0)) as launch:
+        time.sleep(1.5)
+        launch.proc.send_signal(signal.SIGUSR1)
+        out, err = launch.communicate(timeout=600)
+    proc = launch.proc
     assert proc.returncode == 0, err[-3000:]
     assert "preempted during start-up (SIGUSR1): no step run, nothing saved" in out
     summary = json.loads((run / "summary.json").read_text())

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import kill_in_save_env, FAST, ROOT, TRAIN, _env, assert_ok, run_train
+from conftest import kill_in_save_env, FAST, ROOT, TRAIN, Launch, _env, assert_ok, launch_cmd, run_train
 from memtrain.config.args import parse_args
 from memtrain.errors import UserError
 from memtrain.tools.tb import read_scalars
@@ -116,8 +116,7 @@ def test_overwrite_that_fails_or_is_killed_before_its_first_checkpoint(finished,
     assert _snapshot(run) == before
 
     # Killed in its first save: the earlier run is still on disk, whole, under .overwritten/ ...
-    killed = subprocess.run([sys.executable, str(TRAIN), *RUN_ARGS, "--run-dir", str(run), "--overwrite"], cwd=ROOT,
-                            env=kill_in_save_env(tmp_path, 2), capture_output=True, text=True, timeout=600)
+    killed = run_train([*RUN_ARGS, "--run-dir", str(run), "--overwrite"], env=kill_in_save_env(tmp_path, 2))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert _snapshot(run / ".overwritten") == before
     with pytest.raises(UserError, match=r"--resume: no model checkpoint in .*; an interrupted --overwrite left the "
@@ -187,7 +186,7 @@ def test_resume_refuses_or_falls_back_on_each_damaged_file(finished, tmp_path):
     assert str(e.value) == (f"--resume: {run / 'checkpoints' / tag_for(4)}/zero_pp_rank_0_mp_rank_00_model_states.pt:"
                             " 'model.layers.0.mlp.gate_proj.weight' has shape [352, 128] in the model checkpoint but "
                             "[256, 128] in this recipe's model; the recipe's model differs from the run's (model.*)")
-    # another world size resumes through DeepSpeed's universal checkpoint (tests/test_reshard.py), ZeRO-3 only
+    # another world size resumes through DeepSpeed's universal checkpoint (tests/launch/test_reshard.py), ZeRO-3 only
     with pytest.raises(UserError, match=r"was saved by 1 ranks, this launch has 2; .* ZeRO stage 3 only .* relaunch "
                                         "with 1"):
         _resume_check(run, "--max-steps", "6", "--deepspeed", str(ROOT / "ds_configs" / "zero2_ckpt.json"), world=2)
@@ -294,9 +293,9 @@ def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
     """A run trains in the directory; a second launch on it (--overwrite, --resume, or none) is one line naming the
     holder, before anything is moved or written; once the first run ends, the directory is free again."""
     run = _copy(finished, tmp_path)
-    first = subprocess.Popen([sys.executable, str(TRAIN), "--run-dir", str(run), "--resume", "--max-steps", "100000",
-                              "--set", "train.save_interval=0"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    launch = Launch(launch_cmd(TRAIN, ["--run-dir", str(run), "--resume", "--max-steps", "100000",
+                                       "--set", "train.save_interval=0"], nproc=0))
+    first = launch.proc
     try:
         deadline = time.time() + 300
         while not ((run / ".lock").is_file() and "pid" in (run / ".lock").read_text()):
@@ -316,7 +315,7 @@ def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
         assert not (run / ".overwritten").exists() and len(list((run / "tb").glob("events.out.tfevents.*"))) == 2
     finally:
         first.send_signal(signal.SIGTERM)
-        out, err = first.communicate(timeout=300)
+        out, err = launch.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
     assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
     assert not (run / ".lock").exists()  # removed as the run ended: free for the next

@@ -17,7 +17,7 @@ import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the
 import pytest
 
 from families import AUTOTP_REFUSED, FAMILIES, overrides
-from conftest import ROOT, _env, _free_port, eval_loss_by_hand
+from conftest import ROOT, _env, eval_loss_by_hand, launch_cmd, run_launch
 
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"
 SEQ, MBS, HIDDEN, LAYERS = 32, 2, 64, 2  # tests/tp_worker.py's model and batch
@@ -26,10 +26,7 @@ SEQ, MBS, HIDDEN, LAYERS = 32, 2, 64, 2  # tests/tp_worker.py's model and batch
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "results.json"
-    deepspeed_bin = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed_bin), "--num_gpus", "2", "--master_port", str(_free_port()),
-           str(ROOT / "tests" / "tp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=out.parent, env=_env(), capture_output=True, text=True, timeout=900)
+    proc = run_launch(launch_cmd(ROOT / "tests" / "tp_worker.py", [str(out)]), timeout=900, cwd=out.parent)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     results = json.loads(out.read_text())
     results["stdout"] = proc.stdout

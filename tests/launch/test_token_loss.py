@@ -5,21 +5,16 @@ data-parallel ranks x accumulation 2 (ZeRO-3), and under AutoTP (2 ranks, 1 data
 token-mean cross-entropy over the batch computed here with plain torch from the pretrained model; the logged loss is
 that token mean. Each rank names every rank's rows and their labelled tokens from the data alone
 (memtrain.model.order). (Ulysses sequence parallelism refuses chat rows; its loss goes through the same
-memtrain.model.loss.normalise: tests/test_long_context.py.)"""
+memtrain.model.loss.normalise: tests/unit/model/test_long_context.py.)"""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, _env, _free_port
+from conftest import ROOT, launch_cmd, run_launch
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.model.build import build_config, build_model
 from memtrain.model.data import prepare_data, save_tokenizer
@@ -82,20 +77,8 @@ def _worker(tmp, data, cases, nproc):
     spec = tmp / f"runs-{nproc}.json"
     spec.write_text(json.dumps(runs))
     worker = str(ROOT / "tests" / "token_loss_worker.py")
-    if nproc == 1:
-        cmd = [sys.executable, worker, str(spec)]
-    else:
-        cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc), "--master_port", str(_free_port()),
-               worker, str(spec)]
-    # a session of its own: on a time-out the launcher's workers go too (the launcher alone would leave them)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    proc = run_launch(launch_cmd(worker, [str(spec)], 0 if nproc == 1 else nproc), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def _by_hand(tmp, data):

@@ -7,20 +7,15 @@ of the code under test: a plain single-process copy of the weights seeded with t
 gradients, the other rank's numbers. One line for what cannot be placed is checked in-process (the preflight).
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _env, _free_port, cut_back
+from conftest import ROOT, cut_back, launch_cmd, run_launch
 
 
 def _launch(out: Path, *args: str) -> list[dict]:
-    deepspeed_bin = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed_bin), "--num_gpus", "2", "--master_port", str(_free_port()),
-           str(ROOT / "tests" / "tp_dropout_worker.py"), str(out), *args]
-    proc = subprocess.run(cmd, cwd=out, env=_env(), capture_output=True, text=True, timeout=900)
+    proc = run_launch(launch_cmd(ROOT / "tests" / "tp_dropout_worker.py", [str(out), *args]), timeout=900, cwd=out)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

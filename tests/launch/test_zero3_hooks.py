@@ -2,13 +2,10 @@
 ranks (one launch of tests/zero3_worker.py, the trainer's engine set-up), with gradients unchanged."""
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _env, _free_port
+from conftest import ROOT, launch_cmd, run_launch
 from families import FAMILIES
 from zero3_worker import COMPILED, COMPOSED, OFFLOAD, STEPS_COMPILED
 
@@ -18,10 +15,7 @@ STEADY = 2  # the coordinator records its trace in the first step, uses it from 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3")
-    deepspeed = Path(sys.executable).with_name("deepspeed")
-    proc = subprocess.run([str(deepspeed), "--num_gpus", "2", "--master_port", str(_free_port()),
-                           str(ROOT / "tests" / "zero3_worker.py"), str(out)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_launch(launch_cmd(ROOT / "tests" / "zero3_worker.py", [str(out)]), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     cases = {(c["variant"], c["policy"], c["backend"]): (c, ranks[1][i]) for i, c in enumerate(ranks[0])}

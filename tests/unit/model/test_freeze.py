@@ -1,6 +1,6 @@
 """train.trainable / train.frozen (memtrain.model.freeze): which parameters train, one line for a pattern that
 matches nothing, and the planner counting gradients and optimizer states for the trainable ones only. Training
-under ZeRO-0..3 with every policy is checked on 2 ranks in tests/test_zero3_hooks.py (tests/zero3_worker.py)."""
+under ZeRO-0..3 with every policy is checked on 2 ranks in tests/launch/test_zero3_hooks.py (tests/zero3_worker.py)."""
 from __future__ import annotations
 
 import functools

@@ -2,7 +2,7 @@
 ZeRO-3 + recompute on 2 CPU ranks with the real launcher. final/ holds the merged model and final/adapter the
 adapters in peft's format: the pretrained base plus that adapter, loaded by peft itself, gives the merged model's
 logits (so the base stayed frozen and the merge is right); a stopped run resumes to a straight run's losses.
-Gradients against a plain peft model: tests/test_zero3_hooks.py."""
+Gradients against a plain peft model: tests/launch/test_zero3_hooks.py."""
 from __future__ import annotations
 
 import json

@@ -5,7 +5,7 @@ data-parallel ranks x accumulation 2 (ZeRO-3), and under AutoTP (2 ranks, 1 data
 token-mean cross-entropy over the batch computed here with plain torch from the pretrained model; the logged loss is
 that token mean. Each rank names every rank's rows and their labelled tokens from the data alone
 (memtrain.model.order). (Ulysses sequence parallelism refuses chat rows; its loss goes through the same
-memtrain.model.loss.normalise: tests/test_long_context.py.)"""
+memtrain.model.loss.normalise: tests/unit/model/test_long_context.py.)"""
 from __future__ import annotations
 
 import json

@@ -2,8 +2,8 @@
 
 Gradients for every policy and both checkpoint backends, memtrain's offload of a compiled layer's inputs, a
 recompile after the warm-up as a warning naming its reason, `train.compile: auto`, and the one-line refusals. The
-same under ZeRO-3 on 2 ranks, with losses, fetches and recompile counts, is in tests/test_zero3_hooks.py; a stopped
-and resumed compiled run is in tests/test_resume.py. A layer counts as compiled when autograd's graph holds its
+same under ZeRO-3 on 2 ranks, with losses, fetches and recompile counts, is in tests/launch/test_zero3_hooks.py; a stopped
+and resumed compiled run is in tests/launch/test_resume.py. A layer counts as compiled when autograd's graph holds its
 compiled region's backward (`CompiledFunctionBackward`), which eager layers never make.
 """
 import copy
@@ -200,7 +200,7 @@ def test_compile_auto_follows_the_devices_gpu_check(tmp_path):
 
 
 def test_compile_refuses_sharded_parameters_on_a_torch_that_keeps_the_gathered_weights(monkeypatch, tmp_path):
-    """torch 2.11's compiled layers keep ZeRO-3's gathered weights (measured: tests/test_zero3_hooks.py's activation
+    """torch 2.11's compiled layers keep ZeRO-3's gathered weights (measured: tests/launch/test_zero3_hooks.py's activation
     check fails there): true is refused in one line where ZeRO-3 shards the parameters, auto turns off; resident
     parameters (one data-parallel rank) compile on any torch."""
     from memtrain.train.compile_choice import keeps_gathered_weights

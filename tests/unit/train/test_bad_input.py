@@ -151,7 +151,7 @@ def test_run_directory_rules(capsys, tmp_path):
     assert (f"--resume: no intact model checkpoint in {run / 'checkpoints'}; the newest, "
             f"{run / 'checkpoints' / 'step00000002'}, is damaged: no model states file (the directory holds no "
             "checkpoint file)") in _error(capsys, ["--run-dir", str(run), "--resume"])
-    # world size, shapes, finished runs and damaged files with real checkpoints: tests/test_run_dir_safety.py
+    # world size, shapes, finished runs and damaged files with real checkpoints: tests/launch/test_run_dir_safety.py
 
 
 def test_legal_but_useless_settings_warn(tmp_path):
