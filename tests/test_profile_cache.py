@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import SMALL_LLAMA
-from memtrain.config.recipe import ModelSection
+from memtrain.config.recipe import LoraSection, ModelSection
 from memtrain.memory import profile_cache
 from memtrain.memory.profile import forget_measured, profile_activations
 from memtrain.memory.target import Target
@@ -47,7 +47,8 @@ def test_a_kept_profile_is_read_and_a_changed_input_is_measured_again(kept, monk
     wider = copy.deepcopy(config)
     wider.intermediate_size = 192
     for other_config, other_target in ((wider, target), (config, replace(target, seq_len=16)),
-                                       (config, replace(target, world_size=4, micro_batch_size=1))):
+                                       (config, replace(target, world_size=4, micro_batch_size=1)),
+                                       (config, replace(target, lora=LoraSection(r=4)))):
         forget_measured()
         profile_cache.keep_in(None)
         fresh = profile_activations(other_config, other_target, MODES)

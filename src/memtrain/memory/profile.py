@@ -265,7 +265,7 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
         kept = _read_kept(name, target)
         if kept is None:
             kept = _profiled(config, target, modes)
-            profile_cache.write(name, kept.to_dict())
+            profile_cache.write(name, {**kept.to_dict(), "target": None})  # the target is the key's, not kept
         _KEPT[name] = kept
     return _KEPT[name]
 

@@ -85,6 +85,6 @@ def write(name: str, profile: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump({"key": name, "profile": profile}, f)
         os.replace(tmp, directory / f"{name}.json")
-    except OSError:
+    except (OSError, TypeError, ValueError):  # unwritable, or a value JSON cannot hold: kept nowhere
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
