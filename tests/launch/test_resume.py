@@ -153,16 +153,24 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_within_two_steps(tmp_pat
 
 
 @pytest.mark.parametrize("to, stop", [("group", "SIGINT"), ("launcher", "SIGTERM")])
-def test_make_trains_launch_stops_cleanly(tmp_path, to, stop):
-    """make train's launcher (memtrain.train.launch), right after step 4's optimizer step: Ctrl-C (SIGINT to the
-    launch's whole process group), or SIGTERM to the launcher's own process alone (which it passes on to the ranks).
-    Every rank saves by step 6 and exits, no process of the launch remains, nothing prints a traceback (DeepSpeed's
-    runner printed a KeyboardInterrupt one), and the exit code names the signal. The Ctrl-C case goes through
-    DeepSpeed's runner and launch.py (CUDA_VISIBLE_DEVICES set), the SIGTERM case through the launcher's own start
-    of CPU ranks (memtrain.train.local_launch)."""
+def test_make_trains_launch_stops_cleanly(tmp_path, to, stop, monkeypatch):
+    """make train's preflight, then its launcher (memtrain.train.launch), right after step 4's optimizer step:
+    Ctrl-C (SIGINT to the launch's whole process group), or SIGTERM to the launcher's own process alone (which it
+    passes on to the ranks). Every rank saves by step 6 and exits, no process of the launch remains, nothing prints a
+    traceback (DeepSpeed's runner printed a KeyboardInterrupt one), and the exit code names the signal. The Ctrl-C
+    case goes through DeepSpeed's runner and launch.py (CUDA_VISIBLE_DEVICES set), the SIGTERM case through the
+    launcher's own start of CPU ranks (memtrain.train.local_launch). The ranks measure no activation profile: they
+    read the preflight's (memtrain.memory.profile_cache), so they write no entry."""
     from conftest import _engine_step_hook_env
+    from memtrain.memory import profile_cache
+    from memtrain.train import preflight
 
     run = tmp_path / "run"
+    monkeypatch.chdir(ROOT)  # make train's directory: data.cache_dir is relative to it
+    preflight.main(["--world-size", "2", *STOP_ARGS, "--run-dir", str(run)])  # make train's first command
+    profile_cache.keep_in(None)
+    profiles = ROOT / ".cache" / "memtrain" / "profiles"
+    kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in profiles.glob("*.json")}
     send = {"group": f"os.killpg(os.getpgid(0), signal.{stop})",  # as a terminal's Ctrl-C: every process of the group
             "launcher": "import psutil; os.kill(next(p.pid for p in psutil.Process().parents() if "
                         f"'memtrain.train.launch' in p.cmdline()), signal.{stop})"}[to]
@@ -171,12 +179,16 @@ def test_make_trains_launch_stops_cleanly(tmp_path, to, stop):
         env["CUDA_VISIBLE_DEVICES"] = ""  # a device list of the user's: DeepSpeed's runner starts the ranks
     proc, out, err = _stopped_launch([sys.executable, "-m", "memtrain.train.launch"], run, env, stop)
     assert proc.returncode == 128 + getattr(signal, stop), err[-3000:]
+    assert kept and {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in profiles.glob("*.json")} == kept
+
+
+STOP_ARGS = [*FAST, "--max-steps", "40", "--set", "train.log_every=1000"]
 
 
 def _stopped_launch(launcher: list[str], run: Path, env: dict, stop: str):
     """A 2-rank launch of 40 steps that a stop signal ends early: it saved and said so at step 5 or 6, no process of
     it remains, and neither a traceback nor a warning was printed. (process, stdout, stderr)"""
-    args = [*FAST, "--max-steps", "40", "--set", "train.log_every=1000", "--run-dir", str(run)]
+    args = [*STOP_ARGS, "--run-dir", str(run)]
     with Launch(launch_cmd(TRAIN, args, launcher=launcher), env=env) as launch:
         out, err = launch.communicate(timeout=300)  # EOF: every process holding the pipes (launch.py, ranks) is exiting
         deadline = time.time() + 10  # a process closes its files before it has ended

@@ -32,7 +32,8 @@ def test_report_of_a_sweep_that_never_ran_is_one_line(tmp_path, monkeypatch):
 
 
 def test_two_point_sweep_end_to_end_with_one_failure(tmp_path):
-    """Real launcher, 2 CPU ranks per point; the second point's policy is rejected by the trainer."""
+    """Real launcher (make train's: memtrain.train.launch), 2 CPU ranks per point; the second point's policy is
+    rejected by the trainer."""
     fast = {"data.seq_len": 32, "data.max_bytes": 200000, "data.cache_dir": str(ROOT / ".cache" / "memtrain"),
             "train.micro_batch_size": 2, "train.max_steps": 4, "train.metric_warmup_steps": 1}
     path = _sweep_file(tmp_path, {"activation_checkpointing.policy": ["full", "bogus"]}, set_=fast, name="e2e")
@@ -56,6 +57,9 @@ def test_two_point_sweep_end_to_end_with_one_failure(tmp_path):
     failed = json.loads((tmp_path / "runs/e2e/policy=bogus/summary.json").read_text())
     assert failed["status"] == "failed" and failed["returncode"] != 0
     assert "activation_checkpointing.policy" in failed["reason"] and "bogus" in failed["reason"]
+    # make train's launcher started the CPU ranks itself: DeepSpeed's runner (which logs its launch.py line) never ran
+    assert not [log for log in ("stdout.log", "stderr.log")
+                if "deepspeed.launcher.launch" in (tmp_path / "runs/e2e/policy=full" / log).read_text()]
 
     started = time.time()
     again = run("memtrain.tools.sweep", str(path))  # resumable: both points already finished

@@ -61,8 +61,10 @@ if _out:
                 _seen.add(key)
                 mark(f"imported:{key}")
         tr = mods.get("memtrain.train.trainer")
-        if tr is not None and hasattr(tr, "_start") and not getattr(tr, "_probe_done", False):
+        if tr is not None and (hasattr(tr, "_start") or hasattr(tr, "Trainer")) \
+                and not getattr(tr, "_probe_done", False):
             tr._probe_done = True
+            wrap(tr, "resolve_run", "check_run")  # the trainer's checks since the preflight's refactor
             for fn in ("check_run", "check_host_memory", "_meet", "build_model", "build_model_zero3", "prepare_data",
                        "prepare_eval_data", "apply_plan", "_build_engine", "build_engine"):
                 wrap(tr, fn, fn)

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP, custom_plan
 from memtrain.recompute.hooks import apply_plan, remove_plan
 from memtrain.recompute.units import find_sublayer
-from memtrain.memory import tensor_parallel, ulysses
+from memtrain.memory import profile_cache, tensor_parallel, ulysses
 from memtrain.recompute.meter import ActivationMeter, StepTracker
 from memtrain.memory.target import Target
 from memtrain.model.attention import plain
@@ -247,6 +247,44 @@ def _packing(packed: bool):
 
 
 def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]] = None) -> ActivationProfile:
+    """Measure one layer per AC mode, and the parts around the layers, on fake tensors (`_profiled`); or read
+    the same measurement where it was kept (memtrain.memory.profile_cache: a run's preflight measured it)."""
+    modes = tuple(modes or supported_modes())
+    if profile_cache.kept_in() is None:
+        return _profiled(config, target, modes)
+    name = profile_cache.key(config.to_json_string(), target.to_dict(), modes)
+    if name not in _KEPT:
+        kept = _read_kept(name, target)
+        if kept is None:
+            kept = _profiled(config, target, modes)
+            profile_cache.write(name, {**kept.to_dict(), "target": None})  # the target is the key's, not kept
+        _KEPT[name] = kept
+    return _KEPT[name]
+
+
+def _read_kept(name: str, target: Target) -> Optional[ActivationProfile]:
+    """The kept profile, or None where there is none or it does not make a profile (measured again)."""
+    kept = profile_cache.read(name)
+    try:
+        return None if kept is None else from_dict(kept, target)
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+
+
+def from_dict(d: dict, target: Target) -> ActivationProfile:
+    """A profile from its `to_dict()` (JSON: lists for tuples), measured at `target`."""
+    pairs = lambda v: tuple(tuple(p) for p in v)  # noqa: E731
+    return ActivationProfile(**{**d, "target": target, "layers": {m: LayerCost(**c) for m, c in d["layers"].items()},
+                                "param_sizes": pairs(d["param_sizes"]), "quantized_sizes": pairs(d["quantized_sizes"])})
+
+
+def forget_measured() -> None:
+    """Drop this process's profiles (kept on disk ones stay): the next call measures or reads again."""
+    for memo in (_PROFILES, _MODE_COSTS, _KEPT):
+        memo.clear()
+
+
+def _profiled(config, target: Target, modes: tuple[str, ...]) -> ActivationProfile:
     """Measure one layer per AC mode, and the parts around the layers, on fake tensors.
 
     A 1-layer model runs once per mode: its layer's window of the live-bytes curve gives what the
@@ -255,7 +293,6 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
     saves from what embeddings, final norm, logits and loss save (the same in every mode).
     Modes may include `modules_mode(paths)`: those modules inside the layer recomputed.
     """
-    modes = tuple(modes or supported_modes())
     if KEEP not in modes:
         modes = (KEEP, *modes)
     extra = tuple(m for m in modes if m.startswith(MODULES))
@@ -285,6 +322,7 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
 
 _PROFILES: dict[tuple, "ActivationProfile"] = {}  # deterministic: measure once per process
 _MODE_COSTS: dict[tuple, tuple["LayerCost", int]] = {}  # modules modes, measured on demand
+_KEPT: dict[str, "ActivationProfile"] = {}  # by profile_cache key: read or measured once per process
 
 
 def _live(run, mark):

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 
@@ -17,11 +16,11 @@ from memtrain.tools.sweep_points import (DEFAULT_SWEEP, SET_ASIDE, TRAIN_PY, Poi
 from memtrain.tools.slurm import run_array
 
 def run_deepspeed(sweep: Sweep, points: list[Point], progress: SweepBar) -> None:
-    """One `deepspeed` launcher process per point on this machine, one point after another."""
-    deepspeed = Path(sys.executable).with_name("deepspeed")
+    """One launcher process per point on this machine, one point after another: make train's launcher
+    (memtrain.train.launch), which starts CPU ranks itself and GPU ranks through DeepSpeed's runner."""
     for point in points:
         args = prepare_point(sweep, point)
-        cmd = [str(deepspeed), "--num_gpus", str(sweep.spec.launcher.gpus_per_run),
+        cmd = [sys.executable, "-m", "memtrain.train.launch", "--num_gpus", str(sweep.spec.launcher.gpus_per_run),
                "--master_port", str(free_port()), str(TRAIN_PY), *args]
         stderr_log = point.run_dir / "stderr.log"
         with open(point.run_dir / "stdout.log", "ab") as out, open(stderr_log, "ab") as err:
@@ -45,8 +44,8 @@ def run_slurm(sweep: Sweep, points: list[Point], progress: SweepBar) -> None:
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
     """SIGTERM a point's process group and wait for all of it: the ranks save at their next step
-    boundary and write a `preempted` summary, so the next invocation resumes the point. (The
-    single-node `deepspeed` runner does not pass signals on; signalling the group reaches the ranks.)"""
+    boundary and write a `preempted` summary, so the next invocation resumes the point. (Signalling the group
+    reaches the ranks whichever way they were started.)"""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s

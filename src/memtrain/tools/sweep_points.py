@@ -32,7 +32,8 @@ class _Strict(BaseModel):
 
 class LauncherSection(_Strict):
     name: str = "deepspeed"
-    """deepspeed: one `deepspeed` process per point on this machine; slurm: one Slurm job array,
+    """deepspeed: one launch per point on this machine (make train's launcher: DeepSpeed's runner on GPUs, CPU
+    ranks started by memtrain); slurm: one Slurm job array,
     one point per array task (memtrain.slurm). `LAUNCHER=` overrides it."""
     gpus_per_run: PositiveInt = 2
     """Processes per point: GPUs on a GPU machine, CPU ranks (gloo) without one."""

@@ -33,6 +33,7 @@ from memtrain.model.moe import experts_line
 from memtrain.model.pretrained import check_pretrained
 from memtrain.memory.target import compute_dtype, resolve_spec
 from memtrain.memory.planner import auto_plan, predict_run
+from memtrain.memory import profile_cache
 from memtrain.units import GIB
 from memtrain.config.args import RunArgs, parse_args, preflight_parser
 from memtrain.model.data import build_tokenizer, builder_for, prepare_data, resolve_files
@@ -346,6 +347,7 @@ def resolve_run(args: RunArgs, world_size: int) -> RunSetup:
     resume = check_run_dir(args, world_size)
     if resume is not None:
         warnings += resume.warnings(run_dirs.RunDir(args.run_dir).checkpoints)
+    profile_cache.keep_in(Path(recipe.data.cache_dir) / "profiles")  # the ranks read what the preflight measured
     with _naming_recipe(args):
         files, tokenizer = _data_inputs(recipe)
         config, model, model_warnings = _meta_model(recipe, tokenizer)

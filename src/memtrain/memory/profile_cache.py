@@ -1,0 +1,90 @@
+"""Activation profiles kept on disk, keyed by everything they are measured from: a run's ranks reuse its preflight's.
+
+A profile is a pure function of the model config, the target, the AC modes, the installed torch, transformers, peft
+and bitsandbytes, and memtrain's own code. The key hashes all of them, so an entry is never stale: any change is
+another key, measured afresh. `resolve_run` keeps profiles under `<data.cache_dir>/profiles/` (where the token store
+lives: the preflight writes, the ranks read; on a node that cannot see it, a rank measures and writes its own).
+An entry missing, unreadable or of another format is measured again. Nothing is kept unless a directory is set.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+FORMAT = 1  # the entry's layout (ActivationProfile's fields): a new one is another key
+PACKAGES = ("torch", "transformers", "peft", "bitsandbytes")  # what runs inside a measurement
+
+_where: dict[str, Optional[Path]] = {"dir": None}
+
+
+def keep_in(directory: Optional[Path]) -> None:
+    """Keep this process's profiles in `directory` (None: measure in memory only)."""
+    _where["dir"] = directory
+
+
+def kept_in() -> Optional[Path]:
+    return _where["dir"]
+
+
+@lru_cache(maxsize=1)
+def code_hash() -> str:
+    """memtrain's own source, every file: the meter, hooks, model builders and planner a measurement runs."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def versions() -> tuple[str, ...]:
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "-"
+    return (sys.version.split()[0], *(f"{name} {version(name)}" for name in PACKAGES))
+
+
+def key(config_json: str, target: dict, modes: tuple[str, ...]) -> str:
+    """The entry's name: a hash of every input of the measurement."""
+    inputs = [FORMAT, config_json, target, list(modes), versions(), code_hash()]
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def read(name: str) -> Optional[dict]:
+    """The kept entry, or None (no directory set, missing, unreadable, another key inside)."""
+    directory = kept_in()
+    if directory is None:
+        return None
+    try:
+        entry = json.loads((directory / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return entry.get("profile") if isinstance(entry, dict) and entry.get("key") == name else None
+
+
+def write(name: str, profile: dict) -> None:
+    """Keep `profile` under `name`, whole or not at all (a temporary file renamed); a directory that cannot be
+    written keeps nothing (the next process measures again)."""
+    directory = kept_in()
+    if directory is None:
+        return
+    tmp = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+        os.fchmod(fd, 0o644)  # mkstemp's 0600: readable by whoever reads the token store beside it
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": name, "profile": profile}, f)
+        os.replace(tmp, directory / f"{name}.json")
+    except (OSError, TypeError, ValueError):  # unwritable, or a value JSON cannot hold: kept nowhere
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)

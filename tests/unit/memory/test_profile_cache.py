@@ -1,0 +1,70 @@
+"""Activation profiles kept on disk (memtrain.memory.profile_cache): a kept one equals a fresh measurement, is read
+instead of measured, and any changed input (config, target, versions) or a damaged entry is measured again.
+The 2-rank side (the ranks read what make train's preflight measured) is in tests/test_resume.py."""
+import copy
+from dataclasses import replace
+
+import pytest
+
+from conftest import SMALL_LLAMA
+from memtrain.config.recipe import LoraSection, ModelSection
+from memtrain.memory import profile_cache
+from memtrain.memory.profile import forget_measured, profile_activations
+from memtrain.memory.target import Target
+from memtrain.model.build import build_config
+
+MODES = ("keep", "full")  # two modes: quicker to measure, and a key of its own
+
+
+def _entries(folder):
+    """Each kept entry's name, inode and modification time: a measurement writes a new file (renamed into place)."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.glob("*.json")}
+
+
+@pytest.fixture
+def kept(tmp_path):
+    forget_measured()
+    profile_cache.keep_in(tmp_path)
+    yield tmp_path
+    profile_cache.keep_in(None)
+    forget_measured()
+
+
+def test_a_kept_profile_is_read_and_a_changed_input_is_measured_again(kept, monkeypatch):
+    config = build_config(ModelSection(type="llama", config=SMALL_LLAMA), vocab_size=257, seq_len=32)
+    target = Target("cpu", "float32", 2, 32, 2)
+    profile_cache.keep_in(None)
+    measured = profile_activations(config, target, MODES)  # the reference: measured here, nothing kept
+    profile_cache.keep_in(kept)
+    forget_measured()
+
+    assert profile_activations(config, target, MODES) == measured  # measured and kept
+    first = _entries(kept)
+    assert len(first) == 1
+    forget_measured()  # a new process (a rank): read, equal, and not measured again (the entry is untouched)
+    assert profile_activations(config, target, MODES) == measured and _entries(kept) == first
+
+    wider = copy.deepcopy(config)
+    wider.intermediate_size = 192
+    for other_config, other_target in ((wider, target), (config, replace(target, seq_len=16)),
+                                       (config, replace(target, world_size=4, micro_batch_size=1)),
+                                       (config, replace(target, lora=LoraSection(r=4)))):
+        forget_measured()
+        profile_cache.keep_in(None)
+        fresh = profile_activations(other_config, other_target, MODES)
+        profile_cache.keep_in(kept)
+        forget_measured()
+        before = _entries(kept)
+        assert profile_activations(other_config, other_target, MODES) == fresh  # a new entry, measured for this input
+        assert len(_entries(kept)) == len(before) + 1 and all(_entries(kept)[n] == v for n, v in before.items())
+
+    before = _entries(kept)
+    monkeypatch.setattr(profile_cache, "versions", lambda: ("another torch",))  # an upgrade: a new key
+    forget_measured()
+    assert profile_activations(config, target, MODES) == measured and len(_entries(kept)) == len(before) + 1
+    monkeypatch.undo()
+
+    (kept / next(iter(first))).write_text('{"key": "')  # a damaged entry: measured again and rewritten whole
+    forget_measured()
+    assert profile_activations(config, target, MODES) == measured
+    assert _entries(kept)[next(iter(first))] != first[next(iter(first))]
