@@ -285,3 +285,15 @@ def fill(disk: Path, leave: int) -> None:
     with open(disk / "filler", "wb") as f:
         f.truncate(0)
         f.write(b"\0" * max(free - leave, 0))
+
+
+@pytest.fixture(autouse=True)
+def profiles_measured_afresh():
+    """No in-process test reads activation profiles kept on disk: `resolve_run` keeps them under the recipe's
+    data.cache_dir for the rest of the process (the repository's .cache/memtrain by default), so a test after one
+    that ran the preflight would otherwise read what an earlier run measured, fast here and slow on a fresh clone."""
+    from memtrain.memory import profile_cache
+
+    profile_cache.keep_in(None)
+    yield
+    profile_cache.keep_in(None)
