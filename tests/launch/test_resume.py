@@ -163,13 +163,17 @@ def test_make_trains_launch_stops_cleanly(tmp_path, to, stop, monkeypatch):
     read the preflight's (memtrain.memory.profile_cache), so they write no entry."""
     from conftest import _engine_step_hook_env
     from memtrain.memory import profile_cache
+    from memtrain.memory.profile import forget_measured
     from memtrain.train import preflight
 
     run = tmp_path / "run"
-    monkeypatch.chdir(ROOT)  # make train's directory: data.cache_dir is relative to it
-    preflight.main(["--world-size", "2", *STOP_ARGS, "--run-dir", str(run)])  # make train's first command
+    monkeypatch.chdir(ROOT)  # make train's directory
+    # a cache of its own: other tests (another xdist worker) keep profiles in the repository's at the same time
+    cache = ["--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    forget_measured()  # this process's profiles: the preflight measures and keeps them in `cache`
+    preflight.main(["--world-size", "2", *STOP_ARGS, *cache, "--run-dir", str(run)])  # make train's first command
     profile_cache.keep_in(None)
-    profiles = ROOT / ".cache" / "memtrain" / "profiles"
+    profiles = tmp_path / "cache" / "profiles"
     kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in profiles.glob("*.json")}
     send = {"group": f"os.killpg(os.getpgid(0), signal.{stop})",  # as a terminal's Ctrl-C: every process of the group
             "launcher": "import psutil; os.kill(next(p.pid for p in psutil.Process().parents() if "
@@ -177,7 +181,7 @@ def test_make_trains_launch_stops_cleanly(tmp_path, to, stop, monkeypatch):
     env = _engine_step_hook_env(tmp_path, to, 4, f"if os.environ.get('RANK') == '0':\n    {send}")
     if to == "group":
         env["CUDA_VISIBLE_DEVICES"] = ""  # a device list of the user's: DeepSpeed's runner starts the ranks
-    proc, out, err = _stopped_launch([sys.executable, "-m", "memtrain.train.launch"], run, env, stop)
+    proc, out, err = _stopped_launch([sys.executable, "-m", "memtrain.train.launch"], run, env, stop, cache)
     assert proc.returncode == 128 + getattr(signal, stop), err[-3000:]
     assert kept and {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in profiles.glob("*.json")} == kept
 
@@ -185,10 +189,10 @@ def test_make_trains_launch_stops_cleanly(tmp_path, to, stop, monkeypatch):
 STOP_ARGS = [*FAST, "--max-steps", "40", "--set", "train.log_every=1000"]
 
 
-def _stopped_launch(launcher: list[str], run: Path, env: dict, stop: str):
+def _stopped_launch(launcher: list[str], run: Path, env: dict, stop: str, extra=()):
     """A 2-rank launch of 40 steps that a stop signal ends early: it saved and said so at step 5 or 6, no process of
     it remains, and neither a traceback nor a warning was printed. (process, stdout, stderr)"""
-    args = [*STOP_ARGS, "--run-dir", str(run)]
+    args = [*STOP_ARGS, *extra, "--run-dir", str(run)]
     with Launch(launch_cmd(TRAIN, args, launcher=launcher), env=env) as launch:
         out, err = launch.communicate(timeout=300)  # EOF: every process holding the pipes (launch.py, ranks) is exiting
         deadline = time.time() + 10  # a process closes its files before it has ended
