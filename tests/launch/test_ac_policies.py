@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import FAST, ROOT, assert_ok, run_train
-from memtrain.recompute.policy import parse_policy
+from memtrain.recompute.policy import layer_modes
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -40,7 +40,7 @@ def test_policies_under_zero3_match_no_recompute(zero3_runs, name):
     policy = name.split(",")[0]
     plan = summary(name)["ac_plan"]
     assert summary(name)["status"] == "completed" and summary(name)["world_size"] == 2
-    assert plan["layers"] == list(parse_policy(policy, 4))
+    assert plan["layers"] == list(layer_modes(policy, 4))
     # sqrt segments keep ZeRO-3's hooks on every submodule (no leaf layers, memtrain.config.zero3), which
     # backend auto then runs under DeepSpeed's reentrant checkpoint (memtrain.config.recompute_spec)
     assert plan["backend"] == ("deepspeed" if "deepspeed" in name or policy == "sqrt" else "torch")

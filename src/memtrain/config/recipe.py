@@ -14,6 +14,7 @@ import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationError, field_validator, model_validator)
 
+from memtrain.config.ac_policy import Policy, parse_policy
 from memtrain.errors import UserError, not_utf8
 from memtrain.units import GIB, parse_size
 
@@ -290,9 +291,9 @@ class TrainSection(_Strict):
 
 
 class ACSection(_Strict):
-    policy: str = "full"
+    policy: Policy = parse_policy("full")
     """none | full | every:K | first:N | sqrt | selective:attn | selective:mlp | op | modules, and
-    compositions such as op+first:4 (see memtrain.recompute.policy.POLICY_HELP), or auto (per-layer choice under
+    compositions such as op+first:4 (see memtrain.config.ac_policy.POLICY_HELP), or auto (per-layer choice under
     memory_budget, see memtrain.memory.planner). Recompute is on only when the
     DeepSpeed JSON has an `activation_checkpointing` section; without one the default becomes none."""
     segment_len: Optional[PositiveInt] = None
@@ -396,7 +397,7 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
     if e["type"] == "extra_forbidden":
         return f"{source}: unknown key '{key}'; {did_you_mean(model, loc)}"
     value = e.get("input")
-    shown = f" (got {value!r})" if not isinstance(value, (dict, list)) else ""
+    shown = f" (got {value!r})" if not isinstance(value, (dict, list)) and repr(value) not in e["msg"] else ""
     # a Union key (e.g. train.compile: bool | 'auto'): pydantic reports one error per member, each with the member's
     # tag appended to the key; name the key and every alternative instead of the first member's tag and message
     members = [m for m in err.errors() if tuple(m["loc"])[:-1] == loc[:-1] and m.get("input") is value]

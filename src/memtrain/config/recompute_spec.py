@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from memtrain.config.ac_policy import NO_POLICY, Policy
 from memtrain.config.ds_config import ac_defaults, tp_size as json_tp_size
 from memtrain.config.recipe import ACSection
 from memtrain.config.zero3 import Zero3Layout, hooks_inside_layers, zero3_layout
@@ -30,14 +31,14 @@ from memtrain.errors import UserError
 _OP_BASES = ("op",)
 
 
-def effective_policy(section: ACSection, ds_config: dict) -> str:
+def effective_policy(section: ACSection, ds_config: dict) -> Policy:
     """The JSON switches AC on (its activation_checkpointing section); the recipe says where."""
     if "activation_checkpointing" in ds_config:
         return section.policy
-    if "policy" in section.model_fields_set and section.policy != "none":
+    if "policy" in section.model_fields_set and section.policy.base != "none":
         raise UserError(f"activation_checkpointing.policy: '{section.policy}' needs an activation_checkpointing "
                         "section in the DeepSpeed JSON, which has none (use e.g. ds_configs/zero3_ckpt.json)")
-    return "none"
+    return NO_POLICY
 
 
 def _json_section(cfg: dict) -> dict:
@@ -50,16 +51,11 @@ def _json_section(cfg: dict) -> dict:
     return out
 
 
-def policy_base(policy: str) -> str:
-    """The policy without its layer selector: 'op' of 'op+first:4'."""
-    return policy.strip().partition("+")[0]
-
-
 @dataclass(frozen=True)
 class RecomputeSpec:
     """The activation-checkpointing decision of one run (see the module docstring)."""
 
-    policy: str = "none"                 # the effective policy string
+    ac_policy: Policy = NO_POLICY        # the effective policy (none without the JSON's section), as parsed
     requested_backend: str = "auto"      # the recipe's: auto | torch | deepspeed
     backend: str = "torch"               # the checkpoint that runs: torch | deepspeed
     partition_activations: bool = False  # takes effect: a tensor-parallel group and DeepSpeed's checkpoint
@@ -77,8 +73,13 @@ class RecomputeSpec:
     ignored_by_torch: tuple[str, ...] = ()  # JSON keys set true that only DeepSpeed's checkpoint honours
 
     @property
+    def policy(self) -> str:
+        """The effective policy as the recipe spells it (messages, records)."""
+        return self.ac_policy.text
+
+    @property
     def op_level(self) -> bool:
-        return policy_base(self.policy) in _OP_BASES
+        return self.ac_policy.base in _OP_BASES
 
     @property
     def deepspeed_offloads(self) -> bool:
@@ -104,7 +105,8 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
     JSON's tensor_parallel.autotp_size), and
     `zero3_hooks_inside` whether ZeRO-3 still hooks the submodules of a recomputed unit (no leaf layers:
     memtrain.config.zero3). Raises UserError (one line) for a combination that cannot run."""
-    policy = effective_policy(section, ds_config)
+    ac_policy = effective_policy(section, ds_config)
+    policy = ac_policy.text
     tp_size = json_tp_size(ds_config) if tp_size is None else tp_size
     ds_ac = _json_section(ds_config)
     notes, warnings = [], []
@@ -129,7 +131,7 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
     if offload and offload_impl == "deepspeed" and backend != "deepspeed":
         raise UserError("activation_checkpointing.cpu_checkpointing_impl: 'deepspeed' offloads inside DeepSpeed's "
                         "checkpoint only; set activation_checkpointing.backend: deepspeed (or auto)")
-    op_level = policy_base(policy) in _OP_BASES
+    op_level = ac_policy.base in _OP_BASES
     if op_level and backend == "deepspeed":
         why = ("activation_checkpointing.backend is 'deepspeed'" if requested == "deepspeed" else
                "the DeepSpeed JSON asks for partition_activations/cpu_checkpointing, which selects DeepSpeed's "
@@ -137,7 +139,7 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
         raise UserError(f"activation_checkpointing.policy: '{policy}' (op-level) needs torch's non-reentrant "
                         f"checkpoint, but {why}; set activation_checkpointing.backend: torch or choose another policy")
     deepspeed_reentrant = section.deepspeed_reentrant
-    if zero3_hooks_inside and backend == "torch" and policy != "none":
+    if zero3_hooks_inside and backend == "torch" and ac_policy.base != "none":
         # torch's non-reentrant checkpoint stops a recompute once the backward has what it needs, skipping
         # the post-forward halves of ZeRO-3's hooks inside it, so DeepSpeed's module stack grows every step;
         # run to its end, the recompute would release parameters the backward still needs. DeepSpeed's
@@ -151,14 +153,14 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
             warnings.append(f"torch's checkpoint with {why}: each step leaves DeepSpeed's FWD_MODULE_STACK 2 entries "
                             "per recomputed layer longer; use backend deepspeed or let memtrain make the layers "
                             "ZeRO-3 leaf modules")
-    if section.modules and policy_base(policy) != "modules":
+    if section.modules and ac_policy.base != "modules":
         warnings.append(f"activation_checkpointing.modules is ignored by policy '{policy}' (used by 'modules')")
-    if section.segment_len and policy_base(policy) != "sqrt":
+    if section.segment_len and ac_policy.base != "sqrt":
         warnings.append(f"activation_checkpointing.segment_len is ignored by policy '{policy}' (used by 'sqrt')")
     ignored = tuple(key for key in ("profile", "synchronize_checkpoint_boundary") if ds_ac.get(key)) \
         if backend == "torch" else ()
     return RecomputeSpec(
-        policy=policy, requested_backend=requested, backend=backend, partition_activations=partition,
+        ac_policy=ac_policy, requested_backend=requested, backend=backend, partition_activations=partition,
         cpu_checkpointing=offload, offload_impl=offload_impl, tp_size=tp_size, device=device,
         section=section.model_copy(update={"deepspeed_reentrant": deepspeed_reentrant}),
         contiguous_memory_optimization=bool(ds_ac["contiguous_memory_optimization"]),
@@ -173,7 +175,7 @@ def resolve_with_layout(raw: dict, section: ACSection, device: str, layer_class:
     preflight, make plan, --max-seq and the OOM advice). The layout comes first: where ZeRO-3's hooks stay inside a
     recomputed layer, backend auto takes DeepSpeed's reentrant checkpoint. `raw` is the JSON, `layer_class` the
     model's decoder-layer class, `largest_param` its largest parameter's elements, over `data_parallel_size` ranks."""
-    zero3 = zero3_layout(raw, layer_class, largest_param, data_parallel_size, segments=policy_base(section.policy) == "sqrt")
+    zero3 = zero3_layout(raw, layer_class, largest_param, data_parallel_size, segments=section.policy.base == "sqrt")
     spec = resolve_recompute(raw, section, device, json_tp_size(raw),
                              zero3_hooks_inside=hooks_inside_layers(raw, zero3, layer_class))
     return spec, zero3

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
 from memtrain.config.recipe import ACSection
-from memtrain.config.recompute_spec import RecomputeSpec, policy_base, resolve_recompute
+from memtrain.config.ac_policy import CUSTOM, Policy, custom_policy, parse_policy as parse
+from memtrain.config.recompute_spec import RecomputeSpec, resolve_recompute
 from memtrain.errors import UserError
 from memtrain.recompute.offload import PREFETCH_DEPTH, offload_flags, offload_units
 from memtrain.recompute.partition import partition_line
@@ -17,9 +17,6 @@ from memtrain.recompute.partition import partition_line
 KEEP, FULL, ATTN, MLP, OP = "keep", "full", "attn", "mlp", "op"
 LAYER_MODES = (KEEP, FULL, ATTN, MLP, OP)
 _MARKS = {KEEP: ".", FULL: "R", ATTN: "A", MLP: "M", OP: "O"}
-POLICY_HELP = ("none | full | every:K | first:N | sqrt | selective:attn | selective:mlp | op | modules | "
-               "auto (per layer, under activation_checkpointing.memory_budget); "
-               "full, sqrt, op and selective:* also take +first:N, and all but sqrt +every:K (e.g. op+first:4)")
 _BASES = {"full": FULL, "sqrt": FULL, "op": OP, "selective:attn": ATTN, "selective:mlp": MLP}
 # Attribute names of the attention / MLP sublayer across transformers decoder families.
 SUBLAYER_NAMES = {ATTN: ("self_attn", "attn", "attention", "self_attention"),
@@ -85,7 +82,7 @@ class ACPlan:
 
     @property
     def modules(self) -> tuple[str, ...]:
-        return tuple(self.spec.section.modules) if policy_base(self.policy) == "modules" else ()
+        return tuple(self.spec.section.modules) if self.spec.ac_policy.base == "modules" else ()
 
     @property
     def op_save(self) -> tuple[str, ...]:
@@ -283,47 +280,18 @@ class ACPlan:
 
 # --------------------------------------------------------------------------- policy -> plan
 
-def _policy_error(policy: str, why: str) -> UserError:
-    return UserError(f"activation_checkpointing.policy: '{policy}': {why}; allowed: {POLICY_HELP}")
+def policy_layers(policy: Policy, num_layers: int) -> tuple[str, ...]:
+    """Per-layer modes of a parsed policy (memtrain.config.ac_policy): its base's mode where its selector picks."""
+    if policy.base in ("auto", CUSTOM):
+        raise UserError(f"activation_checkpointing.policy: '{policy}' has no fixed per-layer modes (auto: the "
+                        "planner chooses them, memtrain.memory.planner)")
+    mode = _BASES.get(policy.base, KEEP)
+    return tuple(mode if chosen else KEEP for chosen in policy.selected(num_layers))
 
 
-def _positive_int(text: str, policy: str) -> int:
-    if not re.fullmatch(r"[0-9]+", text) or int(text) <= 0:
-        raise _policy_error(policy, f"expected a positive integer after ':', got '{text}'")
-    return int(text)
-
-
-def _selected(selector: str, policy: str, num_layers: int) -> tuple[bool, ...]:
-    name, sep, arg = selector.partition(":")
-    if name == "first" and sep:
-        n = _positive_int(arg, policy)
-        return tuple(i < n for i in range(num_layers))
-    if name == "every" and sep:
-        k = _positive_int(arg, policy)
-        return tuple(i % k == 0 for i in range(num_layers))
-    raise _policy_error(policy, f"unknown layer selector '{selector}'")
-
-
-def _parse(policy: str, num_layers: int) -> tuple[tuple[str, ...], bool]:
-    """Per-layer modes of a policy string, and whether its layers are grouped into sqrt segments."""
-    base, plus, selector = policy.strip().partition("+")
-    if base in ("none", "modules"):
-        if plus:
-            raise _policy_error(policy, f"'{base}' takes no layer selector")
-        return (KEEP,) * num_layers, False
-    if base.startswith(("every:", "first:")) and not plus:
-        return tuple(FULL if s else KEEP for s in _selected(base, policy, num_layers)), False
-    if base not in _BASES:
-        raise _policy_error(policy, "unknown policy")
-    if base == "sqrt" and plus and not selector.startswith("first:"):
-        raise _policy_error(policy, "sqrt segments are runs of consecutive layers; it composes with +first:N only")
-    chosen = _selected(selector, policy, num_layers) if plus else (True,) * num_layers
-    return tuple(_BASES[base] if s else KEEP for s in chosen), base == "sqrt"
-
-
-def parse_policy(policy: str, num_layers: int) -> tuple[str, ...]:
-    """Per-layer modes for a policy string."""
-    return _parse(policy, num_layers)[0]
+def layer_modes(policy: str, num_layers: int) -> tuple[str, ...]:
+    """Per-layer modes for a policy string (parsed by memtrain.config.ac_policy)."""
+    return policy_layers(parse(policy), num_layers)
 
 
 def sqrt_segments(layers: tuple[str, ...], segment_len: Optional[int] = None) -> tuple[tuple[int, int], ...]:
@@ -338,10 +306,11 @@ def build_plan(spec: RecomputeSpec, num_layers: int, layers: Optional[tuple[str,
     """The per-layer plan of a run's RecomputeSpec (memtrain.config.recompute_spec, which decided the backend,
     what the JSON's keys do and who offloads): the policy's mode for each of `num_layers` layers, its sqrt
     segments, modules and op save list. Policy 'auto' passes the planner's per-layer `layers` and `offload`."""
-    policy, section = spec.policy, spec.section
-    layers, is_sqrt = (tuple(layers), False) if layers is not None else _parse(policy, num_layers)
-    modules = tuple(section.modules) if policy_base(policy) == "modules" else ()
-    if policy_base(policy) == "modules":
+    policy, section = spec.ac_policy, spec.section
+    is_sqrt = layers is None and policy.base == "sqrt"
+    layers = tuple(layers) if layers is not None else policy_layers(policy, num_layers)
+    modules = tuple(section.modules) if policy.base == "modules" else ()
+    if policy.base == "modules":
         if not modules:
             raise UserError("activation_checkpointing.modules: policy 'modules' needs a list of module-path "
                             "patterns, e.g. [model.layers.*.mlp]")
@@ -360,9 +329,9 @@ def build_plan(spec: RecomputeSpec, num_layers: int, layers: Optional[tuple[str,
 def custom_plan(layers, backend: str = "torch", modules=(), segments=(), policy: str = "custom") -> ACPlan:
     """A plan of given per-layer modes (tests, the activation profile): the recipe's defaults with `modules` (policy
     'modules' when there are any) on `backend`, nothing offloaded or partitioned."""
-    policy = "modules" if modules else policy
+    policy = parse("modules") if modules else custom_policy(policy)
     section = ACSection(policy=policy, modules=list(modules))
-    spec = RecomputeSpec(policy=policy, requested_backend=backend, backend=backend, device="cpu", section=section)
+    spec = RecomputeSpec(ac_policy=policy, requested_backend=backend, backend=backend, device="cpu", section=section)
     return ACPlan(spec, tuple(LayerChoice(m) for m in layers), tuple(segments))
 
 
@@ -371,7 +340,7 @@ def plan_for(policy: str, num_layers: int, section: Optional[ACSection] = None, 
     """A plan outside a run (tools that compare policies, tests): `policy` with the recipe section `section`
     (default: the recipe's defaults) updated by `keys`, under the JSON `ds_config` (default: an
     activation_checkpointing section of DeepSpeed's defaults), resolved by the one RecomputeSpec."""
-    section = (section or ACSection()).model_copy(update={"policy": policy, **keys})
+    section = (section or ACSection()).model_copy(update={"policy": parse(policy), **keys})
     spec = resolve_recompute({"activation_checkpointing": {}} if ds_config is None else ds_config, section, device,
                              tp_size)
     return build_plan(spec, num_layers)

@@ -153,8 +153,9 @@ def _extra_rows(spec, num_layers: int) -> dict:
     """Rows beside the uniform per-layer modes: sqrt segments, and the recipe's own policy where
     it is none of the rows (modules patterns, every:K, first:N, ...), each under the run's spec."""
     # sqrt with the default segment length, whatever the recipe's own policy keys say
-    rows = {"sqrt": build_plan(with_(spec, policy="sqrt", partition_activations=False,
-                                     section=ACSection(policy="sqrt")), num_layers)}
+    sqrt = ACSection(policy="sqrt")
+    rows = {"sqrt": build_plan(with_(spec, ac_policy=sqrt.policy, partition_activations=False, section=sqrt),
+                               num_layers)}
     policy = spec.policy
     if policy not in ("auto", "none", "full", "sqrt", "op", "selective:attn", "selective:mlp"):
         try:

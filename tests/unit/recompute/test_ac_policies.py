@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from memtrain.recompute.policy import custom_plan, plan_for, parse_policy, sqrt_segments
+from memtrain.recompute.policy import custom_plan, plan_for, layer_modes, sqrt_segments
 from memtrain.recompute.hooks import apply_plan
 from memtrain.tools.ac_profile import main as ac_profile_main
 from memtrain.tools.ac_profile import max_rel_err, measure_step
@@ -125,14 +125,14 @@ def test_activation_ordering_recompute_cost_and_full_matches_analytic(ids):
 
 
 def test_policy_strings_and_compositions():
-    assert parse_policy("every:2", 5) == ("full", "keep", "full", "keep", "full")
-    assert parse_policy("first:2", 3) == ("full", "full", "keep")
-    assert parse_policy("first:9", 3) == ("full", "full", "full")  # more than the model has: all of them
-    assert parse_policy("none", 2) == ("keep", "keep")
-    assert parse_policy("op+first:2", 4) == ("op", "op", "keep", "keep")
-    assert parse_policy("selective:attn+every:2", 4) == ("attn", "keep", "attn", "keep")
-    assert parse_policy("selective:mlp", 2) == ("mlp", "mlp")
-    assert parse_policy("sqrt+first:3", 4) == ("full", "full", "full", "keep")
+    assert layer_modes("every:2", 5) == ("full", "keep", "full", "keep", "full")
+    assert layer_modes("first:2", 3) == ("full", "full", "keep")
+    assert layer_modes("first:9", 3) == ("full", "full", "full")  # more than the model has: all of them
+    assert layer_modes("none", 2) == ("keep", "keep")
+    assert layer_modes("op+first:2", 4) == ("op", "op", "keep", "keep")
+    assert layer_modes("selective:attn+every:2", 4) == ("attn", "keep", "attn", "keep")
+    assert layer_modes("selective:mlp", 2) == ("mlp", "mlp")
+    assert layer_modes("sqrt+first:3", 4) == ("full", "full", "full", "keep")
     assert sqrt_segments(("full",) * 22) == ((0, 5), (5, 10), (10, 15), (15, 20), (20, 22))
     assert sqrt_segments(("full",) * 4) == ((0, 2), (2, 4))
     assert sqrt_segments(("full",) * 5, segment_len=2) == ((0, 2), (2, 4))  # a 1-layer rest is plain full
@@ -141,7 +141,7 @@ def test_policy_strings_and_compositions():
     for bad in ["none+first:2", "modules+first:2", "sqrt+every:2", "op+last:2", "op+first:0", "selective:xyz",
                 "every:0", "every:x", "every", "first:-1", "sometimes"]:
         with pytest.raises(UserError, match="activation_checkpointing.policy"):
-            parse_policy(bad, 4)
+            layer_modes(bad, 4)
     with pytest.raises(ValueError, match="segments"):
         custom_plan(("full", "keep", "full"), segments=((0, 2),))
     mixed = custom_plan(("full", "full", "attn", "op"), segments=((0, 2),))

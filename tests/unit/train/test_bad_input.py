@@ -53,8 +53,8 @@ def _set(*pairs):
     (_set("train.grad_clip=nan"), "train.grad_clip: Input should be a finite number"),
     (_set("train.lr=1e39"), "train.lr: Value error, 1e+39 would overflow float32 in the optimizer's update"),
     # AC policy names
-    (_set("activation_checkpointing.policy=sometimes"),
-     "embedded recipe 'tiny': activation_checkpointing.policy: 'sometimes'"),
+    (_set("activation_checkpointing.policy=sometimes"),  # the recipe's validator: named as every recipe key is
+     "recipe 'tiny' (embedded default) with --set: activation_checkpointing.policy: 'sometimes': unknown policy"),
     (_set("activation_checkpointing.policy=every:x"), "activation_checkpointing.policy: 'every:x'"),
     (_set("activation_checkpointing.policy=every:0"), "activation_checkpointing.policy: 'every:0'"),
     # model shape vs data
