@@ -138,25 +138,10 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
                "reentrant checkpoint under backend 'auto'")
         raise UserError(f"activation_checkpointing.policy: '{policy}' (op-level) needs torch's non-reentrant "
                         f"checkpoint, but {why}; set activation_checkpointing.backend: torch or choose another policy")
-    deepspeed_reentrant = section.deepspeed_reentrant
-    if zero3_hooks_inside and backend == "torch" and ac_policy.base != "none":
-        # torch's non-reentrant checkpoint stops a recompute once the backward has what it needs, skipping
-        # the post-forward halves of ZeRO-3's hooks inside it, so DeepSpeed's module stack grows every step;
-        # run to its end, the recompute would release parameters the backward still needs. DeepSpeed's
-        # reentrant checkpoint backpropagates through the recomputed graph, whose hooks pair up.
-        why = "ZeRO-3 hooks run inside each recompute (no leaf layers)"
-        if requested == "auto" and not op_level:
-            backend, deepspeed_reentrant = "deepspeed", True
-            notes.append(f"backend: DeepSpeed's reentrant checkpoint: {why}, and torch's checkpoint would leave "
-                         "their module stack unbalanced")
-        else:
-            warnings.append(f"torch's checkpoint with {why}: each step leaves DeepSpeed's FWD_MODULE_STACK 2 entries "
-                            "per recomputed layer longer; use backend deepspeed or let memtrain make the layers "
-                            "ZeRO-3 leaf modules")
-    if section.modules and ac_policy.base != "modules":
-        warnings.append(f"activation_checkpointing.modules is ignored by policy '{policy}' (used by 'modules')")
-    if section.segment_len and ac_policy.base != "sqrt":
-        warnings.append(f"activation_checkpointing.segment_len is ignored by policy '{policy}' (used by 'sqrt')")
+    backend, deepspeed_reentrant = _backend_under_zero3_hooks(
+        backend, section.deepspeed_reentrant, requested, op_level, zero3_hooks_inside and ac_policy.base != "none",
+        notes, warnings)
+    warnings.extend(_unused_key_warnings(section, ac_policy.base, policy))
     ignored = tuple(key for key in ("profile", "synchronize_checkpoint_boundary") if ds_ac.get(key)) \
         if backend == "torch" else ()
     return RecomputeSpec(
@@ -167,6 +152,37 @@ def resolve_recompute(ds_config: dict, section: ACSection, device: str, tp_size:
         number_checkpoints=ds_ac["number_checkpoints"],
         synchronize_checkpoint_boundary=bool(ds_ac["synchronize_checkpoint_boundary"]),
         profile=bool(ds_ac["profile"]), notes=tuple(notes), warnings=tuple(warnings), ignored_by_torch=ignored)
+
+
+def _backend_under_zero3_hooks(backend: str, reentrant: bool, requested: str, op_level: bool, hooks_inside: bool,
+                               notes: list, warnings: list) -> tuple:
+    """The (backend, deepspeed_reentrant) pair once ZeRO-3's hooks inside a recomputed unit are accounted for;
+    appends the note or warning that says why to `notes` / `warnings`."""
+    if not (hooks_inside and backend == "torch"):
+        return backend, reentrant
+    # torch's non-reentrant checkpoint stops a recompute once the backward has what it needs, skipping
+    # the post-forward halves of ZeRO-3's hooks inside it, so DeepSpeed's module stack grows every step;
+    # run to its end, the recompute would release parameters the backward still needs. DeepSpeed's
+    # reentrant checkpoint backpropagates through the recomputed graph, whose hooks pair up.
+    why = "ZeRO-3 hooks run inside each recompute (no leaf layers)"
+    if requested == "auto" and not op_level:
+        notes.append(f"backend: DeepSpeed's reentrant checkpoint: {why}, and torch's checkpoint would leave "
+                     "their module stack unbalanced")
+        return "deepspeed", True
+    warnings.append(f"torch's checkpoint with {why}: each step leaves DeepSpeed's FWD_MODULE_STACK 2 entries "
+                    "per recomputed layer longer; use backend deepspeed or let memtrain make the layers "
+                    "ZeRO-3 leaf modules")
+    return backend, reentrant
+
+
+def _unused_key_warnings(section: ACSection, base: str, policy: str) -> list:
+    """Warnings for the recipe's activation_checkpointing keys that the chosen policy does not read."""
+    warnings = []
+    if section.modules and base != "modules":
+        warnings.append(f"activation_checkpointing.modules is ignored by policy '{policy}' (used by 'modules')")
+    if section.segment_len and base != "sqrt":
+        warnings.append(f"activation_checkpointing.segment_len is ignored by policy '{policy}' (used by 'sqrt')")
+    return warnings
 
 
 def resolve_with_layout(raw: dict, section: ACSection, device: str, layer_class: type, largest_param: int,

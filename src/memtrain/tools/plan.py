@@ -73,25 +73,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
     states = model_states(profile, ds_config, target)
     rates = measure_rates(target.dtype)
     choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
-    report = {
-        "recipe": recipe.name, "data_format": recipe.data.format, "model_type": config.model_type,
-        "num_layers": profile.num_layers,
-        "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": target.to_dict(),
-        "zero_stage": zero_stage(ds_config), "ac_backend": spec.backend, "rates": rates.to_dict(),
-        "rates_note": ("measured on this machine's GPU" if rates.device == target.device == "cuda" else
-                       f"measured on this machine's {rates.device}; the step-time ranking is "
-                       + ("for it" if rates.device == target.device else "not measured on GPU")),
-        "model_states": {**asdict(states), "total": states.total},
-        "policies": {}, "budget": budget,
-        "allocator_margin_note": "measured as 0 on an H100 (memory.predict.ALLOCATOR_MARGIN)",
-        "experts": experts_line(config, target.dtype),
-        "packed_mask": target.micro_batch_size * target.seq_len ** 2 if target.packed else None,  # bool elements
-        # held-out eval (data.eval_paths): one no-grad forward per eval micro-batch
-        "eval_peak": eval_peak(profile, states) if has_eval_data(recipe.data) else None,
-        "compile": (None if recipe.train.compile is False else
-                    "train.compile: these are eager layers' figures; a compiled layer saves what its compiled backward "
-                    "reads (often less), and the run's compile line gives the measured difference"),
-    }
+    report = _report_head(recipe, config, profile, target, ds_config, spec, rates, states, budget)
     long_profile = None
     if budget is not None:
         half = replace(target, seq_len=max(1, target.seq_len // 2))
@@ -128,12 +110,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
         # a segment recomputes each of its layers once, as full layers do (the time model has no segments)
         seconds = sum(choice_seconds(profile_row, rates, c) for c in row_plan) if not segments else None
         flops = sum(profile_row.layers[c.mode].recompute_flops for c in row_plan)
-        row = {"policy": POLICY_OF.get(name, name), "saved_per_layer": pred.saved_per_layer,
-               "saved_activations": pred.saved_activations, "recompute_working_set": pred.recompute_working_set,
-               "logits_and_loss": pred.logits_and_loss, "activation_peak": pred.activation_peak,
-               "prefetched": pred.prefetched, "side_stream": pred.side_stream,
-               "reduce_buffers": pred.reduce_buffers, "margin": pred.margin, "peak": pred.peak,
-               "phase": pred.phase, "recompute_flops": flops, "extra_seconds": seconds, "notes": list(notes)}
+        row = _policy_row(POLICY_OF.get(name, name), pred, flops, seconds, notes)
         if budget is not None and name in extra_rows:
             row["fits"] = pred.peak <= budget
             row["max_micro_batch"] = row["max_seq_len"] = None
@@ -147,6 +124,39 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
                                                           budget, uniform), 1, max_pos)
         report["policies"][name] = row
     return report
+
+
+def _report_head(recipe, config, profile, target, ds_config: dict, spec, rates, states, budget) -> dict:
+    """The report's fields that do not depend on the policy: the model, the target, the rates and the model states."""
+    return {
+        "recipe": recipe.name, "data_format": recipe.data.format, "model_type": config.model_type,
+        "num_layers": profile.num_layers,
+        "hidden_size": config.hidden_size, "num_params": profile.num_params, "target": target.to_dict(),
+        "zero_stage": zero_stage(ds_config), "ac_backend": spec.backend, "rates": rates.to_dict(),
+        "rates_note": ("measured on this machine's GPU" if rates.device == target.device == "cuda" else
+                       f"measured on this machine's {rates.device}; the step-time ranking is "
+                       + ("for it" if rates.device == target.device else "not measured on GPU")),
+        "model_states": {**asdict(states), "total": states.total},
+        "policies": {}, "budget": budget,
+        "allocator_margin_note": "measured as 0 on an H100 (memory.predict.ALLOCATOR_MARGIN)",
+        "experts": experts_line(config, target.dtype),
+        "packed_mask": target.micro_batch_size * target.seq_len ** 2 if target.packed else None,  # bool elements
+        # held-out eval (data.eval_paths): one no-grad forward per eval micro-batch
+        "eval_peak": eval_peak(profile, states) if has_eval_data(recipe.data) else None,
+        "compile": (None if recipe.train.compile is False else
+                    "train.compile: these are eager layers' figures; a compiled layer saves what its compiled backward "
+                    "reads (often less), and the run's compile line gives the measured difference"),
+    }
+
+
+def _policy_row(policy: str, pred, flops: float, seconds: Optional[float], notes) -> dict:
+    """One policy's row of the report from its prediction."""
+    return {"policy": policy, "saved_per_layer": pred.saved_per_layer,
+            "saved_activations": pred.saved_activations, "recompute_working_set": pred.recompute_working_set,
+            "logits_and_loss": pred.logits_and_loss, "activation_peak": pred.activation_peak,
+            "prefetched": pred.prefetched, "side_stream": pred.side_stream,
+            "reduce_buffers": pred.reduce_buffers, "margin": pred.margin, "peak": pred.peak,
+            "phase": pred.phase, "recompute_flops": flops, "extra_seconds": seconds, "notes": list(notes)}
 
 
 def _extra_rows(spec, num_layers: int) -> dict:
@@ -171,6 +181,11 @@ def plan_choices_of(config, target, plan) -> tuple[LayerChoice, ...]:
 
 
 def format_report(r: dict) -> str:
+    return "\n".join([*_summary_lines(r), *_policy_table(r)])
+
+
+def _summary_lines(r: dict) -> list:
+    """The report's head: the model, the target, how it was measured and the model states per device."""
     t = r["target"]
     ms = r["model_states"]
     g = lambda b: f"{b / GIB:.3f}"  # noqa: E731
@@ -203,6 +218,14 @@ def format_report(r: dict) -> str:
         + (f"; on host: {g(ms['host'])}" if ms["host"] else ""),
         "",
     ]
+    return lines
+
+
+def _policy_table(r: dict) -> list:
+    """One row per policy (and auto): the activation terms, the peak, the recompute cost and what fits."""
+    t = r["target"]
+    g = lambda b: f"{b / GIB:.3f}"  # noqa: E731
+    lines = []
     head = ["policy", "saved/layer", "saved", "recompute ws", "logits+loss", "act. peak", "prefetch", "ZeRO bufs",
             "margin", "peak GiB", "peak at", "recompute TFLOP", "extra ms"]
     budget = r["budget"]
@@ -248,7 +271,7 @@ def format_report(r: dict) -> str:
         else:
             lines.append(f"nothing fits {budget / GIB:g} GiB: smallest achievable peak {auto['smallest_peak_gib']:.3f}"
                          f" GiB; would fit: {auto['would_fit']}")
-    return "\n".join(lines)
+    return lines
 
 
 @cli_entry

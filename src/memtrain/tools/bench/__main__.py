@@ -149,17 +149,7 @@ def gpu_check(args) -> None:
     bar = tqdm([n for n in names if n not in {r["setup"] for r in results}], desc="gpu-check", unit="setup")
     for name in bar:
         bar.set_postfix(setup=name)
-        auto = name in ("memtrain:auto", "memtrain:auto+compile")
-        plain = next((r for r in results if r["setup"] == "torch:noac" and r.get("peak_gib")), None) if auto else None
-        if auto and plain is None:
-            result = {"setup": name, "label": parse_setup(name).label, "micro_batch": run.micro_batch,
-                      "error": "no budget: torch:noac has no measured peak (run it first)"}
-        elif auto:
-            budget = f"{plain['peak_gib'] / 2:.3f}"
-            result = run(name, extra=(f"activation_checkpointing.memory_budget={budget}",))
-            result["label"] += f", budget {budget} GiB (half of plain no-AC's peak)"
-        else:
-            result = run(name)
+        result = measure_setup(run, name, results)
         result["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         results.append(result)
         tqdm.write(json.dumps(result))
@@ -175,11 +165,26 @@ def gpu_check(args) -> None:
     shutil.rmtree(run.tmp, ignore_errors=True)
     if stopped:
         sys.exit(1)
-    if args.no_long:
-        return
+    if not args.no_long:
+        gpu_check_long(out, device, timeout_s)
 
-    # long sequences on one GPU (memtrain.tools.bench.long_seq)
 
+def measure_setup(run: Runner, name: str, results: list) -> dict:
+    """One gpu-check set-up's result; memtrain:auto runs under half of plain no-AC's measured peak."""
+    if name not in ("memtrain:auto", "memtrain:auto+compile"):
+        return run(name)
+    plain = next((r for r in results if r["setup"] == "torch:noac" and r.get("peak_gib")), None)
+    if plain is None:
+        return {"setup": name, "label": parse_setup(name).label, "micro_batch": run.micro_batch,
+                "error": "no budget: torch:noac has no measured peak (run it first)"}
+    budget = f"{plain['peak_gib'] / 2:.3f}"
+    result = run(name, extra=(f"activation_checkpointing.memory_budget={budget}",))
+    result["label"] += f", budget {budget} GiB (half of plain no-AC's peak)"
+    return result
+
+
+def gpu_check_long(out: Path, device: str, timeout_s: float) -> None:
+    """gpu-check's long-sequence part on one GPU (memtrain.tools.bench.long_seq), written beside its table."""
     runners = []
 
     def make_runner(recipe, ds_path, steps, warmup):  # long sequences take longer: twice the set-up limit
