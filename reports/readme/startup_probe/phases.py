@@ -7,7 +7,8 @@ def phases(d):
         lines = [l for l in open(f).read().split("\n") if l.strip()]
         head = lines[0]
         st = float(head.split()[1]) - t0
-        m = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) - t0 for l in lines[1:]}
+        m = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) - t0 for l in lines[1:] if not l.startswith("cpu:")}
+        m.update({l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in lines[1:] if l.startswith("cpu:")})
         if "memtrain.train.launch" in head or "--quiet --num_gpus" in head: starts["launcher"] = st
         elif "src/train.py" in head and head.endswith("rank 0"): starts["rank0"] = st; marks = m
         elif "world_info" in head: starts["dslaunch"] = st
@@ -20,11 +21,14 @@ def phases(d):
     r["model and DeepSpeed engine"] = marks["build_engine.end"] - marks["build_engine.begin"]
     r["first step"] = marks["first_engine_step.end"] - marks["build_engine.end"]
     r["total to the end of step 1"] = marks["first_engine_step.end"]
+    if "cpu:check_run.begin" in marks:  # rank 0's own CPU seconds (user + sys), from its start
+        r["rank 0 CPU: imports"] = marks["cpu:check_run.begin"]
+        r["rank 0 CPU: to the end of step 1"] = marks["cpu:first_engine_step.end"]
     return r
 # phases.py BEFORE_DIR,... AFTER_DIR,...: a table of each phase, one column per set of runs
 runs = {k: [phases(d) for d in dirs.split(",")] for k, dirs in zip(("old", "new"), sys.argv[1:3])}
 keys = list(runs["old"][0])
-print("| phase | before (runner + launch.py) | after (ranks started by memtrain's launcher) |")
+print("| phase | before | after |")
 print("|---|---|---|")
 for k in keys:
     cells = []

@@ -19,6 +19,11 @@ if _out:
 
     def mark(label):
         _log.write(f"{label} {time.time():.3f}\n")
+        cpu = os.times()  # this process's CPU seconds so far (user + sys)
+        _log.write(f"cpu:{label} {cpu.user + cpu.system:.3f}\n")
+        if label == "first_engine_step.end" and os.environ.get("RANK") == "0":  # what the rank imported by then
+            with open(os.path.join(_out, "modules_at_step1.list"), "w") as f:
+                f.write("\n".join(sorted(sys.modules)) + "\n")
 
     def wrap(owner, name, label, once=True):
         fn = getattr(owner, name, None)

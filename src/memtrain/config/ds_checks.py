@@ -138,9 +138,21 @@ def check_nvme(cfg: dict, source: str) -> None:
 # --------------------------------------------------------------------------- DeepSpeed op builds
 
 def _extensions_dir() -> Path:
-    from torch.utils.cpp_extension import _get_build_directory  # noqa: PLC0415 cpp_extension: a second to import, only for op builds
+    from torch.utils.cpp_extension import _get_build_directory  # noqa: PLC0415 cpp_extension (with setuptools): 0.3 s to import, only where an op loads
 
     return Path(_get_build_directory("x", verbose=False)).parent
+
+
+def loads_ops(cfg: dict) -> bool:
+    """Whether the engine may load a DeepSpeed op (JIT-built where it is not built yet). Not on the usual run:
+    torch's AdamW (a JSON `optimizer` with `torch_adam`, or none: memtrain's own) with nothing offloaded; that run
+    never imports torch.utils.cpp_extension for the ops."""
+    if offload_device(cfg, "optimizer") != "none" or offload_device(cfg, "param") != "none":
+        return True
+    if "optimizer" not in cfg:
+        return False
+    name = str(get(cfg, "optimizer.type", "")).lower()
+    return not (name in ("adam", "adamw") and get(cfg, "optimizer.params.torch_adam"))
 
 
 def op_builds(cfg: dict) -> list[str]:
@@ -151,6 +163,8 @@ def op_builds(cfg: dict) -> list[str]:
         ops.append("cpu_adam")
     elif name in ("adam", "adamw") and not get(cfg, "optimizer.params.torch_adam"):
         ops.append("fused_adam")
+    if not ops:
+        return []
     try:
         from deepspeed.git_version_info import installed_ops  # noqa: PLC0415 inside its ImportError guard: a DeepSpeed build may lack it
     except ImportError:

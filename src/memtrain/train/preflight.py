@@ -326,7 +326,8 @@ def _setup_warnings(args: RunArgs, world_size: int, resolved: dict, spec: Recomp
     warnings = recipe_overrides(args.ds_config, source, recipe, world_size)
     warnings += groups_across_nodes(tp_size(args.ds_config), recipe.parallel.sequence, world_size, source)
     warnings += [w for w in (ds_checks.build_notice(resolved),) if w]
-    warnings += ds_checks.clear_stale_build_locks()
+    if ds_checks.loads_ops(resolved):  # only a launch that loads an op waits on a build lock (torch's FileBaton)
+        warnings += ds_checks.clear_stale_build_locks()
     warnings += [f"{source}: activation_checkpointing.{key}: true is ignored by the torch backend (DeepSpeed's "
                  "checkpoint honours it: set activation_checkpointing.backend: deepspeed in the recipe)"
                  for key in spec.ignored_by_torch]
