@@ -184,7 +184,7 @@ def test_plan_search_keeps_to_what_a_4bit_base_runs_with():
     recipe = load_recipe(None, ["data.seq_len=64", "model.lora.r=4", "model.quantization.bits=4"])
     result = search(recipe, load_ds_config(ROOT / "ds_configs" / "zero3_ckpt.json"),
                     load_hardware(ROOT / "hardware" / "h100-sxm-8x.yaml"), 1, 64 * 8 * 4, host_budget=1 << 40,
-                    micro_batches=(1, 4), exact_top=3)
+                    micro_batches=(1, 4), exact_top=0)  # which configs are proposed: re-scoring the best adds none
     reasons = dict(result.dropped)
     assert any(r.startswith("SP with model.quantization") for r in reasons), reasons
     assert any(r.startswith("offload_param with model.quantization") for r in reasons), reasons
