@@ -2,9 +2,10 @@
 model-state term measured from the engine's own tensors, beside memtrain's model_states.
 
 Run by `deepspeed --num_gpus 2 tests/ds_model_states.py OUT_DIR CASE...` (CPU gloo ranks); CASE is
-"<stage>", "<stage>+opt" (offload_optimizer to the CPU), "3+opt+param" (and offload_param) or
+"<stage>" (0 to 3), "<stage>+opt" (offload_optimizer to the CPU), "3+opt+param" (and offload_param) or
 "<stage>+nooverlap" (overlap_comm off; the JSON has it on) or "<stage>+frozen" (the recipe's train.frozen
-takes the embedding and every attention block out of training, as the trainer does: memtrain.model.freeze).
+takes the embedding and every attention block out of training, as the trainer does: memtrain.model.freeze);
+"+mb2" makes the micro-batch 2 rows, "+ga2" accumulates gradients over 2 micro-steps.
 Each rank writes OUT_DIR/rank<r>.json: per case, the measured bytes of every term and the
 prediction. Terms are counted by tensor storage (views and aliases once), from the structures
 that hold them (DeepSpeed 0.19.8's attribute names), not from memtrain:
@@ -25,8 +26,8 @@ that hold them (DeepSpeed 0.19.8's attribute names), not from memtrain:
               ZeRO-1/2's bit16 copy-back buffer and host gradient staging buffer; with offload_param
               the parameter partitions
   other       every other CPU tensor storage created since before the engine (should be ~0)
-  peak        the second forward and backward's peak of CPU tensor bytes: the bytes alive before it (every CPU
-              storage created since before the engine) plus the highest rise of the CPU allocator's own
+  peak        the second step's peak of CPU tensor bytes, the highest of its micro-steps': the bytes alive before
+              one (every CPU storage created since before the engine) plus the highest rise of the CPU allocator's own
               allocations and frees in it (torch.profiler's memory events: c10's CPU allocator reports each),
               the CPU's stand-in for CUDA's max_memory_allocated; beside memtrain.memory.predict's peak
 Measured after the second backward (before its step): optimizer states exist, gradients are
@@ -53,9 +54,13 @@ def storages(tensors) -> dict[int, int]:
     return out
 
 
-def all_cpu_storages() -> dict[int, int]:
+def all_cpu_storages(model=None) -> dict[int, int]:
+    """Every CPU tensor storage Python reaches, and `model`'s gradients: a .grad autograd made has no Python object
+    (gc does not see it) until it is read; an accumulated one outlives a micro-step."""
     gc.collect()
-    return storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu")
+    grads = [p.grad for p in model.parameters()] if model is not None else []
+    return storages([o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
+                    + [g for g in grads if g is not None and g.device.type == "cpu"])
 
 
 COLLECTIVES = {"on": False, "gather": 0, "reduce": 0, "other": 0}  # tensor bytes on torch.distributed's collectives
@@ -92,6 +97,14 @@ def count_collectives() -> None:
         setattr(tdist, name, counted)
 
 
+def held_cpu_storages() -> dict:
+    """Every CPU tensor storage alive now, held by reference: none is freed while the case runs, so no new tensor
+    reuses its address and is taken for it (a storage left by an earlier case, freed later, did: up to 7 MB)."""
+    gc.collect()
+    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in gc.get_objects()
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel()}
+
+
 def main() -> None:
     import deepspeed
     import deepspeed.comm as dist
@@ -113,23 +126,26 @@ def main() -> None:
     count_collectives()  # before DeepSpeed's backend keeps its own references to the functions
     deepspeed.init_distributed(verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
-    recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
-    frozen_recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1",
-                                       "train.frozen=[model.embed_tokens.*,*.self_attn.*]"])
-    config = model_and_config(recipe)
+    frozen_recipe = load_recipe(None, ["data.seq_len=32", "train.frozen=[model.embed_tokens.*,*.self_attn.*]"])
+    config = model_and_config(load_recipe(None, ["data.seq_len=32"]))
     torch.manual_seed(rank)
-    ids = torch.randint(0, config.vocab_size, (1, 32))
     root = Path(__file__).resolve().parents[1]
     results = {}
     for case in cases:
         stage, *offload = case.split("+")
         stage = int(stage)
+        micro, accum = (2 if "mb2" in offload else 1), (2 if "ga2" in offload else 1)
+        recipe = load_recipe(None, ["data.seq_len=32", f"train.micro_batch_size={micro}",
+                                    f"train.grad_accum_steps={accum}"])
+        ids = torch.randint(0, config.vocab_size, (micro, 32))
         raw = load_ds_config(str(root / "ds_configs" / "zero3_noac.json"))
         raw.pop("tensorboard", None)
         zero = raw["zero_optimization"]
         # small buckets, so that no term is swamped by one (the model is ~0.9 M parameters)
         zero.update(stage=stage, reduce_bucket_size=100000, stage3_prefetch_bucket_size=100000,
                     stage3_param_persistence_threshold=1000)
+        if stage == 0:  # torch's AdamW (DeepSpeed's fused Adam would JIT-build an op)
+            raw["optimizer"]["params"]["torch_adam"] = True
         if "opt" in offload:
             zero["offload_optimizer"] = {"device": "cpu"}
             # torch's AdamW on the host partitions (DeepSpeed's CPU Adam would JIT-build an op):
@@ -141,7 +157,7 @@ def main() -> None:
         if "param" in offload:
             zero["offload_param"] = {"device": "cpu"}
         cfg = resolve_ds_config(raw, recipe, world, Path("unused"), 0)
-        base = all_cpu_storages()
+        base = held_cpu_storages()
         with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage == 3):
             model = build_model(recipe.model, config)
         if "frozen" in offload:
@@ -174,12 +190,12 @@ def main() -> None:
 
             seen["gathered"] = 0
             hooks = [m.register_forward_pre_hook(sample) for m in model.modules()]  # after DeepSpeed's fetch
-        for step in range(2):
-            # one optimizer step's collectives, after the first forward (DeepSpeed traces ZeRO-3's order then):
-            # the first step's update, then the second forward and backward
-            COLLECTIVES["on"] = step == 1
-            if step == 1:  # the second forward and backward's peak of CPU tensor bytes
-                alive = sum(v for k, v in all_cpu_storages().items() if k not in base)
+        for step, micro_step in [(s, m) for s in range(2) for m in range(accum)]:
+            # one optimizer step's collectives, after the first step's micro-steps (DeepSpeed traces ZeRO-3's order
+            # then): the first step's update, then the second step's forwards and backwards
+            last = micro_step == accum - 1
+            if step == 1:  # the second step's peak of CPU tensor bytes: the highest of its micro-steps'
+                alive = sum(v for k, v in all_cpu_storages(model).items() if k not in base)
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
                 prof.start()
             loss = engine(input_ids=ids, labels=ids).loss
@@ -189,18 +205,20 @@ def main() -> None:
             del loss
             if step == 1:
                 prof.stop()
-                seen["peak"] = alive + profiled_peak_rise(prof)
+                seen["peak"] = max(seen.get("peak", 0), alive + profiled_peak_rise(prof))
                 del prof
-            if step == 0:
+            if step == 1 and last:
+                break
+            if step == 0 and last:
                 COLLECTIVES.update(on=True, gather=0, reduce=0, other=0)
-                engine.step()
+            engine.step()  # an optimizer step at the accumulation boundary only
         COLLECTIVES["on"] = False
         counted_step = {k: COLLECTIVES[k] for k in ("gather", "reduce", "other")}
         if stage == 3:
             for h in hooks:
                 h.remove()
         params = list(model.parameters())
-        inner = opt.optimizer  # the torch optimizer DeepSpeed drives
+        inner = getattr(opt, "optimizer", opt)  # the torch optimizer DeepSpeed drives (ZeRO-0: the optimizer)
         opt_params = [p for g in inner.param_groups for p in g["params"]]
         adam = storages(v for state in inner.state.values() for k, v in state.items() if k != "step")
         if stage == 3:
@@ -211,13 +229,17 @@ def main() -> None:
             grads = storages([opt.grad_partitions_flat_buffer])
             master = storages(opt.fp32_partitioned_groups_flat)
             buckets = storages(b.buffer for b in opt.ipg_buckets.values())
+        elif stage == 0:  # whole parameters, their .grad; fp32 training keeps no master copy
+            param_parts = storages(p.data for p in params)
+            persistent, gathered, buckets, master = {}, {}, {}, {}
+            grads = storages([p.grad for p in params])
         else:
             param_parts = storages(p.data for p in params)
             persistent, gathered, buckets = {}, {}, {}  # stage 1/2 gather nothing
             grads = storages([p.grad for p in params] + list(opt.averaged_gradients.values())
                              + [getattr(opt, "grads_in_partition", None)])
             master = storages(opt.single_partition_of_fp32_groups)
-        master_grads = storages([p.grad for p in opt_params] + [t.grad for t in (
+        master_grads = {} if stage == 0 else storages([p.grad for p in opt_params] + [t.grad for t in (
             opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups)])
         host = {}
         if "opt" in offload:  # the offloaded optimizer's tensors: fp32 partitions, their gradients, states
@@ -247,7 +269,7 @@ def main() -> None:
         measured = {name: sum(t.values()) for name, t in terms.items()}
         measured.update(other=other, gathered_in_forward=seen.get("gathered", 0),
                         reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"], peak=seen["peak"])
-        target = Target("cpu", compute_dtype(cfg, "cpu"), 1, 32, world)
+        target = Target("cpu", compute_dtype(cfg, "cpu"), micro, 32, world)
         if "frozen" in offload:  # what train.frozen leaves to train, as make plan counts it (on the meta model)
             made = make_target(frozen_recipe, cfg, world, "cpu")
             target = replace(target, trainable_params=made.trainable_params, all_params=made.all_params)
@@ -257,7 +279,7 @@ def main() -> None:
         results[case] = {"measured": measured, "predicted": {k: getattr(states, k) for k in (
             "params", "grads", "optimizer", "buckets", "persistent", "gathered", "update", "host",
             "reduce_buckets", "reduce_scratch")} | peak_terms(prediction),
-            "collectives": {"measured": counted_step, "predicted": predicted_collectives(config, cfg, target, stage)}}
+            "collectives": {"measured": counted_step, "predicted": predicted_collectives(config, cfg, target, stage, accum)}}
         del engine, model, opt, inner, params, opt_params, terms, counted
         gatherable = None
         gc.collect()
@@ -271,12 +293,12 @@ def peak_terms(prediction) -> dict:
             "states_total": prediction.model_states.total, "peak_phase": prediction.phase}
 
 
-def predicted_collectives(config, cfg: dict, target, stage: int) -> dict:
-    """Tensor bytes of one optimizer step (gradient accumulation 1) by memtrain.memory.comm_volume, from the
+def predicted_collectives(config, cfg: dict, target, stage: int, accum: int) -> dict:
+    """Tensor bytes of one optimizer step of `accum` micro-steps by memtrain.memory.comm_volume, from the
     memory model's parameter counts (memtrain.memory.score.model_shape, as the search scores them)."""
     from memtrain.config.zero3 import resident
     from memtrain.memory.profile import profile_activations
-    from memtrain.memory.comm_volume import Layout, zero_collectives
+    from memtrain.memory.comm_volume import MICRO, Layout, zero_collectives
     from memtrain.memory.score import model_shape
     from memtrain.memory.states import keeps_gathered, persistent_elements, zero_config
 
@@ -289,7 +311,7 @@ def predicted_collectives(config, cfg: dict, target, stage: int) -> dict:
     out = {"gather": 0, "reduce": 0, "other": 0}
     elem = torch.empty(0, dtype=getattr(torch, target.dtype)).element_size()
     for c in zero_collectives(shape, stage, elem, layout, gathers, resident(cfg, layout.zero)):
-        out["gather" if c.kind == "all_gather" else "reduce"] += int(c.bytes)
+        out["gather" if c.kind == "all_gather" else "reduce"] += int(c.bytes) * (accum if c.phase == MICRO else 1)
     return out
 
 

@@ -8,7 +8,8 @@ Per micro-step (each of the gradient-accumulation steps) and per optimizer step,
   Where DeepSpeed's `stage3_max_reuse_distance` reaches over the whole trace (about 2 x the
   parameters), the forward's gather stays until the backward: one gather per micro-step (the rule
   memtrain.memory.states measured). Then a reduce-scatter of the trained gradients. No gather at
-  all where nothing is sharded (one data-parallel rank: memtrain.config.zero3.resident).
+  all where nothing is sharded (one data-parallel rank: memtrain.config.zero3.resident). Once per step
+  the updated persistent parameters are gathered whole again (DeepSpeed's stage3 `_post_step`).
 * ZeRO-2: a reduce-scatter of the gradients every micro-step (overlap_comm reduces in the
   gradient hooks), and an all-gather of the updated parameters once per step. ZeRO-1 reduces its
   gradients once per step, at the accumulation boundary (counted on DeepSpeed 0.19.8's collectives,
@@ -109,6 +110,9 @@ def zero_collectives(shape: ModelShape, stage: int, elem: int, layout: Layout, g
                                   units * gathers_per_micro, MICRO, "ZeRO-3 parameter gathers"))
         out.append(Collective("reduce_scatter", "zero", elem * shape.trained, units, MICRO,
                               "ZeRO-3 gradient reduce-scatter"))
+        if shape.persistent:  # DeepSpeed's _post_step re-gathers the updated persistent parameters, once a step
+            out.append(Collective("all_gather", "zero", elem * shape.persistent, 1, STEP,
+                                  "ZeRO-3 persistent parameters after the update"))
         return out
     if stage in (1, 2):
         return [Collective("reduce_scatter", "zero", elem * shape.trained, units, MICRO if stage == 2 else STEP,

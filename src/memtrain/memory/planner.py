@@ -239,11 +239,12 @@ class PlanResult:
 def activation_limit(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],
                      budget: int) -> int:
     """Bytes the activations may peak at: the budget less model states and allocator margin
-    (negative when even the optimizer step's fp32 gradients do not fit). The backward's ZeRO-1/2
+    (negative when even what is held with no activation alive does not fit: the optimizer step's fp32
+    gradients, ZeRO-0's all-reduce copy). The backward's ZeRO-1/2
     reduce buffers are not taken off: `solve` adds them to the backward constraints."""
     margin = allocator_margin(profile)
     limit = budget - states.total - margin
-    return limit if states.update <= limit else -1
+    return limit if states.without_activations <= limit else -1
 
 
 def predicted_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[LayerChoice, ...],

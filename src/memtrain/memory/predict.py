@@ -61,7 +61,7 @@ class Prediction:
     def peak(self) -> int:
         """The larger of the forward/backward peak and the optimizer step's (no activations then)."""
         return self.model_states.total + max(self.activation_peak + self.reduce_buffers,
-                                             self.model_states.update) + self.margin
+                                             self.model_states.without_activations) + self.margin
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -29,6 +29,13 @@ class ModelStates:
     reduce_buckets: int = 0  # ZeRO-1/2 ipg reduce buckets: live from the first gradient to the end of the backward
     reduce_scratch: int = 0  # ZeRO-1/2: the flattened copy of one bucket while it is reduced (backward only)
     dequantized: int = 0  # a 4-bit base: the weight bitsandbytes dequantizes for one matmul (forward and backward)
+    allreduce_copy: int = 0  # ZeRO-0: the flat copy of the gradients its all-reduce makes after the backward
+
+    @property
+    def without_activations(self) -> int:
+        """The most held beside the states when no activation is alive: the optimizer step's fp32 gradients, or
+        ZeRO-0's all-reduce copy at the accumulation boundary."""
+        return max(self.update, self.allreduce_copy)
 
     @property
     def backward(self) -> int:
@@ -42,6 +49,7 @@ class ModelStates:
             self.dequantized
 
 
+ALLREDUCE_ELEMENTS = 500_000_000  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE: ZeRO-0's all-reduce bucket
 QUANT_BLOCK = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights (Params4bit's default on CPU and CUDA)
 NESTED_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bits in blocks of 256, one fp32 scale each
 
@@ -155,6 +163,11 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
         if world > 1:  # in a world of one a bucket's slices merge into one view: nothing is copied
             largest_param = max((numel for numel, _ in profile.param_sizes), default=0)
             reduce_scratch = g * min(n, max(int(zero.reduce_bucket_size), largest_param))
+    # ZeRO-0 (DeepSpeedEngine.allreduce_no_retain -> allreduce_bucket) flattens the gradients into one tensor of up
+    # to 500,000,000 elements (MEMORY_OPT_ALLREDUCE_SIZE) per all-reduce, after the backward: measured on CPU in
+    # fp32 (2 ranks, DeepSpeed 0.19.8). On a GPU the same code runs in fp32 and fp16; bf16 goes through DeepSpeed's
+    # BF16_Optimizer (its fp32 gradient buffers), not measured.
+    allreduce_copy = c * min(t, ALLREDUCE_ELEMENTS) if stage == 0 and world > 1 else 0
     host = 0
     if offload_opt:
         # The update runs on the host (measured, DeepSpeed 0.19.8, 2 ranks): the fp32 master and
@@ -176,6 +189,6 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     # bitsandbytes dequantizes a 4-bit weight whole in the compute dtype for each matmul (forward and backward)
     dequantized = c * max((numel for numel, _ in profile.quantized_sizes), default=0)
     return ModelStates(params, grads, optimizer, buckets, persistent, gathered, update, host,
-                       reduce_buckets, reduce_scratch, dequantized)
+                       reduce_buckets, reduce_scratch, dequantized, allreduce_copy)
 
 
