@@ -68,3 +68,31 @@ def test_a_kept_profile_is_read_and_a_changed_input_is_measured_again(kept, monk
     forget_measured()
     assert profile_activations(config, target, MODES) == measured
     assert _entries(kept)[next(iter(first))] != first[next(iter(first))]
+
+
+def test_the_fused_loss_backend_is_part_of_the_memo_key(kept, monkeypatch):
+    """torch's linear_cross_entropy and memtrain.model.chunked_ce (torch < 2.13) keep different working sets in
+    bf16: a profile measured with one is never handed out for the other, from this process's memo or from disk.
+    Each is compared with a fresh measurement (memos emptied first, nothing kept)."""
+    import torch
+
+    config = build_config(ModelSection(type="llama", config=SMALL_LLAMA), vocab_size=300, seq_len=64)
+    target = Target("cpu", "bfloat16", 2, 64, 2, loss="fused")
+    profile_cache.keep_in(None)
+    with_torch = profile_activations(config, target, ("keep",))
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy")  # torch < 2.13: memtrain's chunked loss
+    forget_measured()
+    chunked_fresh = profile_activations(config, target, ("keep",))
+    assert chunked_fresh != with_torch  # the two backends measure apart at this shape
+    monkeypatch.undo()
+    forget_measured()
+    assert profile_activations(config, target, ("keep",)) == with_torch
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy")
+    assert profile_activations(config, target, ("keep",)) == chunked_fresh  # not the torch one memoized above
+
+    profile_cache.keep_in(kept)  # on disk: the chunked one kept, then read by torch's backend in a new process
+    forget_measured()
+    assert profile_activations(config, target, ("keep",)) == chunked_fresh
+    monkeypatch.undo()
+    forget_measured()
+    assert profile_activations(config, target, ("keep",)) == with_torch and len(_entries(kept)) == 2
