@@ -27,7 +27,7 @@ from memtrain.model.attention import plain
 from memtrain.model.build import decoder_layers
 from memtrain.model.freeze import freeze
 from memtrain.model.lora import add_lora
-from memtrain.model.loss import fused_unsupported, install_loss
+from memtrain.model.loss import fused_backend, fused_unsupported, install_loss
 from memtrain.model.quantize import quantized_layers
 from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
 
@@ -252,7 +252,7 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
     modes = tuple(modes or supported_modes())
     if profile_cache.kept_in() is None:
         return _profiled(config, target, modes)
-    name = profile_cache.key(config.to_json_string(), target.to_dict(), modes)
+    name = profile_cache.key(config.to_json_string(), {**target.to_dict(), "loss": _loss_code(target)}, modes)
     if name not in _KEPT:
         kept = _read_kept(name, target)
         if kept is None:
@@ -298,7 +298,7 @@ def _profiled(config, target: Target, modes: tuple[str, ...]) -> ActivationProfi
     extra = tuple(m for m in modes if m.startswith(MODULES))
     modes = tuple(m for m in modes if m not in extra)
     full_config, config = config, tensor_parallel.local_config(config, target.tp)  # one TP rank's shards
-    key = (config.to_json_string(), target, modes)
+    key = (config.to_json_string(), target, _loss_code(target), modes)
     if key not in _PROFILES:
         measured = _measure_profile(config, target, modes)
         measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
@@ -309,15 +309,22 @@ def _profiled(config, target: Target, modes: tuple[str, ...]) -> ActivationProfi
         return profile
     layers = dict(profile.layers)
     for mode in extra:
-        mkey = (config.to_json_string(), target, mode)
+        mkey = (config.to_json_string(), target, _loss_code(target), mode)
         if mkey not in _MODE_COSTS:
             with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
                 run = _run(fake_model(config, 1, target), (mode,), target)
             _MODE_COSTS[mkey] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
                                  run["largest_block"])
         layers[mode] = _MODE_COSTS[mkey][0]
-    largest = max([profile.largest_block] + [_MODE_COSTS[(config.to_json_string(), target, m)][1] for m in extra])
+    largest = max([profile.largest_block]
+                  + [_MODE_COSTS[(config.to_json_string(), target, _loss_code(target), m)][1] for m in extra])
     return replace(profile, layers=layers, largest_block=largest)
+
+
+def _loss_code(target: Target) -> str:
+    """The loss a measurement runs, with the fused loss's backend (torch's or memtrain's chunked: their working sets
+    differ): part of every memo key, so a profile of one backend is never handed out for the other."""
+    return f"fused:{fused_backend()}" if target.loss == "fused" else target.loss
 
 
 _PROFILES: dict[tuple, "ActivationProfile"] = {}  # deterministic: measure once per process

@@ -1,9 +1,10 @@
 """Activation profiles kept on disk, keyed by everything they are measured from: a run's ranks reuse its preflight's.
 
-A profile is a pure function of the model config, the target, the AC modes, the installed torch, transformers, peft
-and bitsandbytes, and memtrain's own code. The key hashes all of them, so an entry is never stale: any change is
-another key, measured afresh. `resolve_run` keeps profiles under `<data.cache_dir>/profiles/` (where the token store
-lives: the preflight writes, the ranks read; on a node that cannot see it, a rank measures and writes its own).
+A profile is a pure function of the model config, the target (with the fused loss's backend), the AC modes, the
+installed torch, transformers, peft and bitsandbytes, and memtrain's own code. The key hashes all of them, so an
+entry is never stale: any change is another key, measured afresh. `resolve_run` keeps profiles under
+`<data.cache_dir>/profiles/` (where the token store lives: the preflight writes, the ranks read; on a node that
+cannot see it, a rank measures and writes its own).
 An entry missing, unreadable or of another format is measured again. Nothing is kept unless a directory is set.
 """
 from __future__ import annotations

@@ -54,12 +54,18 @@ def fused_unsupported(model_or_config, head: Optional[nn.Module] = None) -> Opti
     return None
 
 
+def fused_backend() -> str:
+    """Which code computes `fused`: "torch" (F.linear_cross_entropy) or "chunked" (memtrain.model.chunked_ce, where
+    torch has none). Their working sets differ, so a memory profile of the fused loss is keyed by it."""
+    return "torch" if hasattr(F, "linear_cross_entropy") else "chunked"
+
+
 def _head_forward(self: nn.Linear, hidden: torch.Tensor, shift_labels: Optional[torch.Tensor] = None):
     """lm_head.forward: logits as usual, or with `shift_labels` the summed cross-entropy of the
     labelled tokens, computed in chunks. Runs inside the module call, so ZeRO-3 has gathered weight."""
     if shift_labels is None:
         return F.linear(hidden, self.weight, self.bias)
-    if not hasattr(F, "linear_cross_entropy"):  # torch < 2.13: memtrain's chunked version of the same algorithm
+    if fused_backend() == "chunked":  # torch < 2.13: memtrain's chunked version of the same algorithm
         return linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), self.weight, shift_labels.reshape(-1),
                                         bias=self.bias, ignore_index=IGNORE_INDEX)
     return F.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.weight, shift_labels.reshape(-1),

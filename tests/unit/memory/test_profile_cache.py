@@ -13,7 +13,7 @@ from memtrain.memory.profile import forget_measured, profile_activations
 from memtrain.memory.target import Target
 from memtrain.model.build import build_config
 
-MODES = ("keep", "full")  # two modes: quicker to measure, and a key of its own
+MODES = ("keep",)  # one mode (a key of its own): the cheapest measurement, and the key does not depend on how many
 
 
 def _entries(folder):
@@ -36,9 +36,8 @@ def test_a_kept_profile_is_read_and_a_changed_input_is_measured_again(kept, monk
     profile_cache.keep_in(None)
     measured = profile_activations(config, target, MODES)  # the reference: measured here, nothing kept
     profile_cache.keep_in(kept)
-    forget_measured()
 
-    assert profile_activations(config, target, MODES) == measured  # measured and kept
+    assert profile_activations(config, target, MODES) == measured  # kept (this process's measurement)
     first = _entries(kept)
     assert len(first) == 1
     forget_measured()  # a new process (a rank): read, equal, and not measured again (the entry is untouched)
@@ -51,16 +50,16 @@ def test_a_kept_profile_is_read_and_a_changed_input_is_measured_again(kept, monk
                                        (config, replace(target, lora=LoraSection(r=4)))):
         forget_measured()
         profile_cache.keep_in(None)
-        fresh = profile_activations(other_config, other_target, MODES)
+        fresh = profile_activations(other_config, other_target, MODES)  # measured once, held in this process's memo
         profile_cache.keep_in(kept)
-        forget_measured()
         before = _entries(kept)
-        assert profile_activations(other_config, other_target, MODES) == fresh  # a new entry, measured for this input
+        # a new entry, of this input's measurement: an entry kept under a key that missed the change would be read
+        # instead, and it holds `measured`'s costs
+        assert profile_activations(other_config, other_target, MODES) == fresh
         assert len(_entries(kept)) == len(before) + 1 and all(_entries(kept)[n] == v for n, v in before.items())
 
     before = _entries(kept)
     monkeypatch.setattr(profile_cache, "versions", lambda: ("another torch",))  # an upgrade: a new key
-    forget_measured()
     assert profile_activations(config, target, MODES) == measured and len(_entries(kept)) == len(before) + 1
     monkeypatch.undo()
 
@@ -68,3 +67,31 @@ def test_a_kept_profile_is_read_and_a_changed_input_is_measured_again(kept, monk
     forget_measured()
     assert profile_activations(config, target, MODES) == measured
     assert _entries(kept)[next(iter(first))] != first[next(iter(first))]
+
+
+def test_the_fused_loss_backend_is_part_of_the_memo_key(kept, monkeypatch):
+    """torch's linear_cross_entropy and memtrain.model.chunked_ce (torch < 2.13) keep different working sets in
+    bf16: a profile measured with one is never handed out for the other, from this process's memo or from disk.
+    Each is compared with a fresh measurement (memos emptied first, nothing kept)."""
+    import torch
+
+    config = build_config(ModelSection(type="llama", config=SMALL_LLAMA), vocab_size=300, seq_len=64)
+    target = Target("cpu", "bfloat16", 2, 64, 2, loss="fused")
+    profile_cache.keep_in(None)
+    with_torch = profile_activations(config, target, ("keep",))
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy")  # torch < 2.13: memtrain's chunked loss
+    forget_measured()
+    chunked_fresh = profile_activations(config, target, ("keep",))
+    assert chunked_fresh != with_torch  # the two backends measure apart at this shape
+    monkeypatch.undo()
+    forget_measured()
+    assert profile_activations(config, target, ("keep",)) == with_torch
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy")
+    assert profile_activations(config, target, ("keep",)) == chunked_fresh  # not the torch one memoized above
+
+    profile_cache.keep_in(kept)  # on disk: the chunked one kept, then read by torch's backend in a new process
+    forget_measured()
+    assert profile_activations(config, target, ("keep",)) == chunked_fresh
+    monkeypatch.undo()
+    forget_measured()
+    assert profile_activations(config, target, ("keep",)) == with_torch and len(_entries(kept)) == 2
