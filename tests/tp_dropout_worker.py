@@ -11,7 +11,7 @@ OUT/rank<R>.json; the test compares the ranks and the references.
   recompute   the same model under full recompute, DeepSpeed's reentrant checkpoint and torch's non-reentrant one:
               gradients against no recompute, same seed (a recompute must draw the masks its forward drew)
   trainer     src/train.py's train() on tiny OPT (dropout 0.1, attention_dropout 0.1), ds_configs/zero3_tp2_ckpt.json,
-              2 steps, a model checkpoint after each: each rank's loss of each step (engine.backward recorded)
+              3 steps, a model checkpoint after each: each rank's loss of each step (engine.backward recorded)
 `python tp_dropout_worker.py OUT resume RUN_DIR`: the trainer only, --resume RUN_DIR (cut back to step 1 by the
 test), the same recording.
 """
@@ -214,9 +214,9 @@ def run_trainer(run_dir: str, resume: bool) -> None:
     DeepSpeedEngine.backward = recording
     cfg = {**FAMILIES["opt"], "dropout": 0.1, "attention_dropout": 0.1}
     argv = ["--deepspeed", os.path.join(ROOT, "ds_configs", "zero3_tp2_ckpt.json"), "--run-dir", run_dir,
-            "--max-steps", "2", "--set", "model.type=opt", "--set", f"model.config={json.dumps(cfg)}",
+            "--max-steps", "3", "--set", "model.type=opt", "--set", f"model.config={json.dumps(cfg)}",
             "--set", "data.random_tokens=true", "--set", f"data.seq_len={SEQ}", "--set", "train.micro_batch_size=2",
-            "--set", "train.save_interval=1", "--set", "train.keep_last=2", "--set", "train.log_every=1",
+            "--set", "train.save_interval=1", "--set", "train.keep_last=3", "--set", "train.log_every=1",
             "--set", "train.collective_timeout_s=120"]
     try:
         summary = train(parse_args(argv + (["--resume"] if resume else [])))

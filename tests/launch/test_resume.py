@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (EVAL_PATHS, FAST, TRAIN, ROOT, Launch, _env, _workers, assert_ok, cut_back, eval_loss_by_hand,
+from conftest import (EVAL_PATHS, FAST, TRAIN, ROOT, Launch, _env, _workers, assert_ok, eval_loss_by_hand,
                       launch_cmd, processes, run_train)
 from memtrain.train.checkpoint import tag_for
 from memtrain.tools.tb import read_scalars
@@ -113,21 +113,35 @@ def _a_missing_rank_is_damage(whole: Path, copy: Path) -> None:
         "rng_rank1.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt")])]
 
 
-def test_stop_signal_on_one_rank_stops_all_within_two_steps_and_a_last_step_stop_resumes_to_completed(tmp_path):
+def test_stop_signal_on_one_rank_stops_all_within_two_steps_with_timed_saves_and_a_last_step_stop_resumes(tmp_path):
     """SIGUSR1 reaches rank 1 alone inside step 5's optimizer step, with logging every 1000 steps (the next
     boundary is the last step, 12): both ranks stop at step 6 (at most 2 steps later, agreed without a per-step
     host sync), save it, and say preempted. A run preempted on its last step (here: resumed with max_steps 6)
-    has nothing left to train: the requeue's --resume completes it, exit 0, final/ written."""
+    has nothing left to train: the requeue's --resume completes it, exit 0, final/ written.
+
+    The same run saves on a timer (train.save_every_minutes, in a Slurm job: SLURM_JOB_ID): rank 0's clock decides,
+    the stop agreement's all-reduce carries it, and both ranks save at the same steps: each timed checkpoint is
+    complete (2 ranks' files, as its manifest says). The timer (6 ms) is due after every step, so a save is agreed
+    every other step (the flag rides the next step's all-reduce)."""
     from conftest import signal_after_step_env
+    from memtrain.train.checkpoint import damage
 
     run = tmp_path / "run"
     args = [*FAST, "--set", "train.log_every=1000", "--run-dir", str(run)]
-    stopped = run_train([*args, "--max-steps", "12"], nproc=2, env=signal_after_step_env(tmp_path, 5, rank=1))
+    timed = ["--set", "train.keep_last=100", "--set", "train.save_every_minutes=0.0001"]
+    env = {**signal_after_step_env(tmp_path, 5, rank=1), "SLURM_JOB_ID": "4242"}
+    stopped = run_train([*args, *timed, "--max-steps", "12"], nproc=2, env=env)
     assert_ok(stopped)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGUSR1"
     assert summary["steps"] == 6  # the flag rank 1 had after step 5 reaches every rank at step 6
     assert (run / "checkpoints" / "latest").read_text() == tag_for(6)
+    assert "model checkpoints: every 0.0001 min of training (train.save_every_minutes), on a stop signal and at " \
+           "the end" in stopped.stdout
+    steps = sorted(int(p.name[4:]) for p in (run / "checkpoints").glob("step*"))
+    assert len(steps) >= 3 and steps[-1] == 6, steps  # timed ones between, and the stop's
+    for step in steps:
+        assert damage(run / "checkpoints" / tag_for(step)) == [], step
     resumed = run_train([*args, "--max-steps", "6", "--resume"], nproc=2)
     assert_ok(resumed)
     summary = json.loads((run / "summary.json").read_text())
@@ -226,49 +240,9 @@ def test_stop_signal_during_start_up_ends_preempted_and_the_requeue_starts_clean
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["steps"] == 0
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step*"))
-    again = run_train([*args, "--overwrite"])
+    again = run_train([*args, "--overwrite"], env={**_env(), "SLURM_JOB_ID": "4242"})  # as slurm/train.sbatch
     assert_ok(again)
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
-
-
-def test_tensor_parallel_run_resumes_exactly(tmp_path):
-    """AutoTP 2 on 2 ranks (ds_configs/zero3_tp2_ckpt.json): DeepSpeed names its ZeRO shards by data-parallel and
-    model-parallel rank and records TP-local shapes; --resume finds the checkpoint intact, and steps 5-6 after it
-    equal a straight run's. Eager layers with attention dropout on: the RNG streams must come back too."""
-    ds = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_tp2_ckpt.json"), *FAST, "--set", "train.save_interval=2",
-          "--set", "model.config.attention_dropout=0.2"]
-    straight = tmp_path / "straight"
-    assert_ok(run_train([*ds, "--max-steps", "6", "--run-dir", str(straight)], nproc=2))
-    stopped = cut_back(straight, tmp_path / "stopped", 4)
-    assert sorted(p.name for p in (stopped / "checkpoints" / tag_for(4)).glob("zero_pp_rank_*")) == [
-        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "zero_pp_rank_0_mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
-    resumed = run_train([*ds, "--max-steps", "6", "--run-dir", str(stopped), "--resume"], nproc=2)
-    assert_ok(resumed)
-    assert json.loads((stopped / "summary.json").read_text())["status"] == "completed"
-    ref = dict(read_scalars(straight / "tb")["train/loss"])
-    got = dict(read_scalars(stopped / "tb")["train/loss"])
-    assert [got[5], got[6]] == [ref[5], ref[6]]
-
-
-def test_timed_saves_are_agreed_on_every_rank_and_on_by_default_in_a_slurm_job(tmp_path):
-    """train.save_every_minutes: rank 0's clock decides, the stop agreement's all-reduce carries it, and both ranks
-    save at the same steps: each timed checkpoint is complete (2 ranks' files, as its manifest says). In a Slurm job
-    (SLURM_JOB_ID) timed saves are on by default (what a requeue after a lost node resumes from) and the plan says so."""
-    from memtrain.train.checkpoint import damage
-
-    run = tmp_path / "run"
-    env = {**_env(), "SLURM_JOB_ID": "4242"}
-    proc = run_train([*FAST, "--max-steps", "12", "--set", "train.log_every=1000", "--set", "train.keep_last=100",
-                      "--set", "train.save_every_minutes=0.003", "--run-dir", str(run)], nproc=2, env=env)
-    assert_ok(proc)
-    assert "model checkpoints: every 0.003 min of training (train.save_every_minutes), on a stop signal and at the " \
-           "end" in proc.stdout
-    steps = sorted(int(p.name[4:]) for p in (run / "checkpoints").glob("step*"))
-    assert len(steps) >= 3 and steps[-1] == 12, steps  # timed ones between, and the last
-    for step in steps:
-        assert damage(run / "checkpoints" / tag_for(step)) == [], step
-    default = run_train([*FAST, "--max-steps", "1", "--run-dir", str(tmp_path / "default")], env=env)
-    assert_ok(default)
+    # in a Slurm job, timed saves are on by default (what a requeue after a lost node resumes from), and the plan says so
     assert "model checkpoints: every 30 min of training (a Slurm job's default), on a stop signal and at the end" \
-        in default.stdout
+        in again.stdout
