@@ -92,40 +92,26 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[Laye
     prefetch term is counted for a kept layer as well (exact when a checkpointed layer lies above it).
     Each layer's front is expanded by every choice at once (numpy), and a state whose bytes cannot fit
     the last constraint even with the least-resident choice for every later layer is dropped early.
+    Of states equal in key and bytes the least time is kept (of equal times, the first: parent, then choice).
     """
     n = num_layers or profile.num_layers
-    depth, inp = _prefetch_unit(profile, choices)
-    side = inp if profile.target.device == "cuda" else 0
     if profile.base + profile.head_net + profile.tail_excess + backward_extra > activation_limit:
         return None  # the loss's tail alone does not fit, whatever the layers do
-    terms = np.array([_footprint_terms(profile, c, backward_extra) for c in choices], dtype=np.int64).reshape(-1, 3)
-    resident, fwd, bwd = terms[:, 0], terms[:, 1], terms[:, 0] + terms[:, 2]
-    offload = np.array([c.offload for c in choices], dtype=np.int64)
-    secs = np.array([seconds[c] for c in choices], dtype=np.float64)
-    # last layer: no offload (the backward needs its input first, before any copy back could overlap)
-    every, last = np.arange(len(choices)), np.flatnonzero(offload == 0)
-    least = int(resident.min())  # a later layer leaves at least this alive
-    final_room = activation_limit - profile.head_excess - backward_extra  # what the last prefix must fit
-    # the front: prefix bytes, seconds, offloaded layers below (capped), last layer offloaded
-    prefix, time = np.array([profile.base], dtype=np.int64), np.zeros(1)
-    below, last_off = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    dp = _Layers(profile, activation_limit, choices, seconds, backward_extra)
+    # the front, sorted by (key, bytes): prefix bytes, seconds, key (offloaded layers below, capped; last offloaded)
+    prefix, time, key = np.array([profile.base], dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64)
     history = []  # per layer: (parent state, choice) of each state of its front
+    rooms = dp.rooms(n)
     for i in range(n):
-        opts = last if i == n - 1 else every
-        fits = ((fwd[opts][None, :] <= (activation_limit - prefix - side * last_off)[:, None])
-                & (bwd[opts][None, :] <= (activation_limit - prefix - np.minimum(depth, below) * inp)[:, None])
-                # prune early: a prefix the final constraint cannot fit with the least-resident layers above it
-                & (prefix[:, None] + resident[opts][None, :] <= final_room - (n - 1 - i) * least))
-        parent, col = np.nonzero(fits)  # state-major, choice-minor: the order ties resolve in
-        if not len(parent):
+        fits = np.flatnonzero(prefix[:, None] <= rooms[i][key])  # state-major, choice-minor: ties resolve in this order
+        if not len(fits):
             return None
-        chosen = opts[col]
-        prefix, time = prefix[parent] + resident[chosen], time[parent] + secs[chosen]
-        below, last_off = np.minimum(depth, below[parent] + offload[chosen]), offload[chosen]
-        keep = _pareto(prefix, time, below * 2 + last_off)
-        prefix, time, below, last_off = prefix[keep], time[keep], below[keep], last_off[keep]
+        parent, chosen, prefix, key = dp.sorted_candidates(prefix, key, fits)
+        time = time[parent] + dp.secs[chosen]
+        keep = _least_time_per_bytes(prefix, time, key)
+        prefix, time, key = prefix[keep], time[keep], key[keep]
         history.append((parent[keep], chosen[keep]))
-    fitting = np.flatnonzero(prefix <= final_room)
+    fitting = np.flatnonzero(prefix <= dp.final_room)
     if not len(fitting):
         return None
     k = int(fitting[np.lexsort((prefix[fitting], time[fitting]))[0]])  # the least time; of equal ones, fewer bytes
@@ -136,33 +122,85 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[Laye
     return tuple(reversed(plan))
 
 
-def _pareto(prefix: np.ndarray, time: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """Indices of the states no state of the same key beats in both bytes and time, per key by increasing
-    bytes (strictly decreasing time; ties to the earlier state)."""
-    if not key.any():  # one key (no offload): one run
-        order = np.lexsort((time, prefix))
-        return order[_below_every_earlier(time[order])]
-    order = np.lexsort((time, prefix, key))
-    key_sorted, time_sorted = key[order], time[order]
-    kept = []
-    for start, end in _runs(key_sorted):
-        kept.append(order[start:end][_below_every_earlier(time_sorted[start:end])])
-    return np.concatenate(kept)
+class _Layers:
+    """What `solve`'s DP needs of the choices, computed once per solve: each choice's bytes and seconds, the bytes a
+    state may hold before a choice still fits, given its key (offloaded layers below, last layer offloaded), and the
+    key a choice leads to."""
+
+    def __init__(self, profile: ActivationProfile, limit: int, choices: tuple[LayerChoice, ...],
+                 seconds: dict[LayerChoice, float], backward_extra: int):
+        depth, inp = _prefetch_unit(profile, choices)
+        side = inp if profile.target.device == "cuda" else 0
+        terms = np.array([_footprint_terms(profile, c, backward_extra) for c in choices],
+                         dtype=np.int64).reshape(-1, 3)
+        self.resident, fwd, bwd = terms[:, 0], terms[:, 1], terms[:, 0] + terms[:, 2]
+        offload = np.array([c.offload for c in choices], dtype=np.int64)
+        self.secs = np.array([seconds[c] for c in choices], dtype=np.float64)
+        below, last_off = np.arange(depth + 1).repeat(2), np.tile([0, 1], depth + 1)  # key k = below * 2 + last_off
+        self.next_key = np.minimum(depth, below[:, None] + offload[None, :]) * 2 + offload[None, :]
+        # the forward of the choice (with an offloaded input below it still on its copy) and its backward (with the
+        # prefetched inputs below it) fit: prefix <= room
+        self.base_room = np.minimum(limit - side * last_off[:, None] - fwd[None, :],
+                                    limit - below[:, None] * inp - bwd[None, :])
+        # the last layer does not offload (the backward needs its input first, before any copy back could overlap)
+        self.offloads = offload.astype(bool)
+        self.least = int(self.resident.min())  # a later layer leaves at least this alive
+        self.final_room = limit - profile.head_excess - backward_extra  # what the last prefix must fit
+        self.key_bits = int(self.next_key.max()).bit_length()
+
+    def rooms(self, n: int) -> np.ndarray:
+        """layer x key x choice -> the most bytes a state may hold before the layer takes the choice; it also drops
+        early a state that cannot fit the final constraint even with the least-resident choice for every later layer."""
+        final = self.final_room - (n - 1 - np.arange(n))[:, None] * self.least - self.resident[None, :]
+        rooms = np.minimum(self.base_room[None, :, :], final[:, None, :])
+        rooms[n - 1][:, self.offloads] = np.iinfo(np.int64).min
+        return rooms
+
+    def sorted_candidates(self, prefix: np.ndarray, key: np.ndarray, index: np.ndarray):
+        """(parent, choice, prefix, key) of the fitting (state, choice) pairs (`index`: state * choices + choice),
+        sorted by (key, prefix, parent, choice): packed into one int64 where they fit in 63 bits, else by lexsort."""
+        parent, chosen = np.divmod(index, len(self.secs))
+        new_prefix, new_key = prefix[parent] + self.resident[chosen], self.next_key[key[parent], chosen]
+        low = int(new_prefix.min())
+        index_bits, prefix_bits = int(index[-1]).bit_length(), (int(new_prefix.max()) - low).bit_length()
+        if index_bits + prefix_bits + self.key_bits > 63:
+            order = np.lexsort((new_prefix, new_key))  # stable: parent-major, choice-minor within equal ones
+            return parent[order], chosen[order], new_prefix[order], new_key[order]
+        packed = np.sort((new_key << (prefix_bits + index_bits)) | ((new_prefix - low) << index_bits) | index)
+        parent, chosen = np.divmod(packed & ((1 << index_bits) - 1), len(self.secs))
+        return (parent, chosen, ((packed >> index_bits) & ((1 << prefix_bits) - 1)) + low,
+                packed >> (prefix_bits + index_bits))
 
 
-def _below_every_earlier(t: np.ndarray) -> np.ndarray:
-    """Which of `t` lie below the least of those before them (the first always)."""
-    before = np.empty_like(t)
+def _least_time_per_bytes(prefix: np.ndarray, time: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Of candidates sorted by (key, prefix, order of ties), the indices of those no candidate of the same key beats
+    in both bytes and time: in each run of equal (key, prefix) the first of least time, where it lies below the
+    least time of the key's smaller prefixes (by more than 1e-15). Kept in order: by key, then increasing bytes."""
+    new_run = np.empty(len(prefix), dtype=bool)
+    new_run[0] = True
+    np.not_equal(prefix[1:], prefix[:-1], out=new_run[1:])
+    new_run[1:] |= key[1:] != key[:-1]
+    starts = np.flatnonzero(new_run)
+    least = np.minimum.reduceat(time, starts)
+    groups = np.flatnonzero(least < _earlier_least(least, key[starts]) - 1e-15)
+    if len(starts) == len(prefix):  # every run one candidate
+        return groups
+    at_least = np.flatnonzero(time == least[np.cumsum(new_run) - 1])
+    return at_least[np.searchsorted(at_least, starts[groups])]
+
+
+def _earlier_least(values: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """For each value, the least of the values before it with the same key (inf for the first); `key` sorted."""
+    before = np.empty_like(values)
     before[0] = np.inf
-    np.minimum.accumulate(t[:-1], out=before[1:])
-    return t < before - 1e-15
-
-
-def _runs(values: np.ndarray):
-    """(start, end) of each run of equal values in a sorted array."""
-    edges = np.flatnonzero(np.diff(values)) + 1
-    bounds = np.concatenate(([0], edges, [len(values)]))
-    return zip(bounds[:-1], bounds[1:])
+    np.minimum.accumulate(values[:-1], out=before[1:])
+    if key[0] == key[-1]:
+        return before
+    firsts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+    for start, end in zip(firsts[1:], np.append(firsts[2:], len(values))):  # each later key starts afresh
+        before[start] = np.inf
+        np.minimum.accumulate(values[start:end - 1], out=before[start + 1:end])
+    return before
 
 
 def _footprint_terms(profile: ActivationProfile, choice: LayerChoice, backward_extra: int) -> tuple[int, int, int]:

@@ -6,6 +6,7 @@ step time from `memtrain.memory.step_time`, at the hardware sheet's rates.
 """
 from __future__ import annotations
 
+import copy
 import json
 
 from dataclasses import dataclass, field, replace
@@ -100,7 +101,9 @@ class Family:
         key = ("predict", micro_batch, states.backward, plan)
         if key not in self.cache:
             self.cache[key] = predict(self.profile_at(micro_batch), states, plan)
-        return replace(self.cache[key], model_states=states)
+        out = copy.copy(self.cache[key])
+        out.model_states = states
+        return out
 
 
 def sheet_rates(hw: Hardware) -> Rates:
@@ -109,18 +112,37 @@ def sheet_rates(hw: Hardware) -> Rates:
 
 
 def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, activation_offload: bool,
-                rates: Rates, model=None) -> Optional[Family]:
+                rates: Rates, model=None, memo: Optional[dict] = None) -> Optional[Family]:
     """A family's JSON, recipe, target, profile and choices. `model`: the recipe's model on the meta device, built
-    once for all families (none of their choices changes it); default: built here."""
+    once for all families (none of their choices changes it); default: built here. `memo`: what one search's
+    families share (`Setting.memo`: the model's largest parameter, profiles by target); default: nothing."""
+    memo = {} if memo is None else memo
     ds = family_ds(base_ds, tp, activation_offload)
     r = family_recipe(recipe, sp)
-    spec = resolve_spec(r, ds, world, "cuda", model=model)[0]
+    spec = resolve_spec(r, ds, world, "cuda", model=model, largest_param=memo.get("largest_param"))[0]
     target = make_target(r, ds, world, spec=spec)
-    profile = profile_activations(config, target)
+    profile = profile_of(config, target, memo)
     choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
     if activation_offload and not any(c.offload for c in choices):
         return None
     return Family(tp, sp, activation_offload, ds, r, target, profile, choices)
+
+
+def profile_of(config, target: Target, memo: dict) -> ActivationProfile:
+    """`profile_activations` of one search's `config` at `target`, looked up once per target in the search's memo."""
+    key = ("profile", target)
+    if key not in memo:
+        memo[key] = profile_activations(config, target)
+    return memo[key]
+
+
+def parsed_zero(ds: dict, memo: dict):
+    """DeepSpeed's parse of `ds`'s zero_optimization section (`states.zero_config`), once per section text in a
+    search's memo: the families' JSONs differ outside it."""
+    key = ("zero", json.dumps(ds.get("zero_optimization") or {}, sort_keys=True, default=str))
+    if key not in memo:
+        memo[key] = zero_config(ds)
+    return memo[key]
 
 
 def model_shape(config, profile: ActivationProfile, target: Target, persistent: int) -> ModelShape:
@@ -149,13 +171,15 @@ class Setting:
     host_budget: int
     flops_per_token: float  # the model's training FLOPs per token (no recompute)
     rates: Rates
+    # what the search computes once for all its families: profiles by target, ZeRO sections parsed, ...
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def ranks_per_node(self) -> int:
         return min(self.layout_world, self.hw.gpus_per_node)
 
 
-def _zero_facts(fam: Family, config, ds: dict, stage: int, layout: Layout) -> tuple[int, ModelShape, int, bool]:
+def _zero_facts(s: Setting, fam: Family, config, ds: dict, stage: int, layout: Layout) -> tuple[int, ModelShape, int, bool]:
     """(persistent elements, model shape, gathers per micro-step, resident) of a family's ZeRO variant: the same
     for all its micro-batches (the parameters do not change with the batch), so computed once per JSON."""
     same = fam.cache.get(("zero-json", id(ds)))  # the JSON itself kept in the memo: its id is not reused
@@ -164,9 +188,11 @@ def _zero_facts(fam: Family, config, ds: dict, stage: int, layout: Layout) -> tu
         fam.cache[("zero-json", id(ds))] = same
     key = ("zero", stage, same[1])
     if key not in fam.cache:
-        zero = zero_config(ds)
+        zero = parsed_zero(ds, s.memo)
         persistent = persistent_elements(fam.profile, zero) if stage == 3 else 0
-        shape = model_shape(config, fam.profile, fam.target, persistent)
+        if ("shape",) not in fam.cache:  # the model's shape on one TP rank; ZeRO-3 adds its persistent elements
+            fam.cache[("shape",)] = model_shape(config, fam.profile, fam.target, 0)
+        shape = replace(fam.cache[("shape",)], persistent=persistent) if persistent else fam.cache[("shape",)]
         gathers = 1 if keeps_gathered(zero, fam.profile.num_params, layout.zero) else 2
         fam.cache[key] = persistent, shape, gathers, resident(ds, layout.zero)
     return fam.cache[key]
@@ -188,7 +214,7 @@ def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage:
     layout = Layout(s.layout_world, s.hw.gpus_per_node, fam.tp, fam.sp)
     pred = fam.predict(mb, states, plan)
     elem = _ELEMENT[fam.target.dtype]
-    persistent, shape, gathers, is_resident = _zero_facts(fam, config, ds, stage, layout)
+    persistent, shape, gathers, is_resident = _zero_facts(s, fam, config, ds, stage, layout)
     collectives = step_collectives(shape, stage, elem, layout, mb * fam.target.seq_len, tuple(c.mode for c in plan),
                                    gathers, is_resident)
     trained_rank = shape.trained // (layout.zero if stage >= 1 else 1)

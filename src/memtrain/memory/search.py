@@ -31,9 +31,9 @@ from memtrain.memory.hardware import Hardware
 from memtrain.memory.plan_files import family_ds, family_recipe, variant_ds
 from memtrain.memory.planner import activation_limit, choice_seconds, solve
 from memtrain.memory.predict import LayerChoice, predict
-from memtrain.memory.profile import ActivationProfile, profile_activations
+from memtrain.memory.profile import ActivationProfile
 from memtrain.memory.rates import Rates
-from memtrain.memory.score import Family, Scored, Setting, make_family, score, sheet_rates
+from memtrain.memory.score import Family, Scored, Setting, make_family, parsed_zero, profile_of, score, sheet_rates
 from memtrain.memory.states import ModelStates, model_states
 from memtrain.memory.target import model_and_config
 
@@ -94,16 +94,18 @@ def layouts(recipe, config, world: int, gpus_per_node: int, sp_ok=None):
                 yield tp, sp, activation_offload, reason
 
 
-_META_MODELS: dict = {}  # (model section, config) -> the model on the meta device: no search changes it
+_META_MODELS: dict = {}  # (model section, config) -> the model on the meta device, its largest parameter's elements
 
 
-def _meta_model(recipe, config):
-    """The recipe's model on the meta device, built once per process for its model section and config (as the
-    activation profiles are measured once: `memtrain.memory.profile`). Built from a copy: transformers writes
-    into the config it builds from (its dtype), which would change the profiles' cache key."""
+def _meta_model(recipe, config) -> tuple[object, int]:
+    """The recipe's model on the meta device and its largest parameter's elements, built once per process for its
+    model section and config (as the activation profiles are measured once: `memtrain.memory.profile`). Built from
+    a copy: transformers writes into the config it builds from (its dtype), which would change the profiles' cache
+    key. No search changes it."""
     key = (recipe.model.model_dump_json(), config.to_json_string())
     if key not in _META_MODELS:
-        _META_MODELS[key] = build_on_meta(recipe.model, copy.deepcopy(config))
+        model = build_on_meta(recipe.model, copy.deepcopy(config))
+        _META_MODELS[key] = model, max(p.numel() for p in model.parameters())
     return _META_MODELS[key]
 
 
@@ -184,30 +186,31 @@ def search(recipe, base_ds: dict, hw: Hardware, nodes: int, global_tokens: int, 
     result = SearchResult([], Counter(), world, budget, host_budget, global_tokens, base_ds, rates)
     per_family = len(ZERO_VARIANTS) * len(micro_batches)
     items = list(layouts(recipe, config, world, hw.gpus_per_node, sp_ok))
-    meta = _meta_model(recipe, config)  # one model for every family's recompute spec
+    meta, s.memo["largest_param"] = _meta_model(recipe, config)  # one model for every family's recompute spec
     for tp, sp, activation_offload, reason in (progress(items) if progress else items):
         if reason:
             result.dropped[reason] += per_family
             continue
-        fam = make_family(recipe, base_ds, config, world, tp, sp, activation_offload, rates, meta)
+        fam = make_family(recipe, base_ds, config, world, tp, sp, activation_offload, rates, meta, s.memo)
         if fam is None:
             result.dropped["activation offload: no layer can offload (needs full recompute)"] += per_family
             continue
         solved: dict = {}  # (micro-batch, ZeRO-1/2 reduce buffers) -> solves, largest limits first:
-        for variant, ds, states in _variants_by_size(fam):
+        for variant, ds, states in _variants_by_size(fam, s.memo):
             _variant(s, fam, config, variant, ds, states, micro_batches, result, solved)
     result.scored.sort(key=rank_key)
     refine(s, config, result, exact_top)
     return result
 
 
-def _variants_by_size(fam: Family) -> list[tuple[tuple, dict, ModelStates]]:
+def _variants_by_size(fam: Family, memo: dict) -> list[tuple[tuple, dict, ModelStates]]:
     """(variant, its JSON, its model states) of every ZeRO variant, smallest model states first: the per-layer
-    solves then run largest activation limit first, which `best_plan`'s reuse needs. Each computed once."""
+    solves then run largest activation limit first, which `best_plan`'s reuse needs. Each computed once; each ZeRO
+    section parsed once per search (`memo`)."""
     out = []
     for variant in ZERO_VARIANTS:
         ds = variant_ds(fam.ds, *variant)
-        out.append((variant, ds, model_states(fam.profile, ds, fam.target)))
+        out.append((variant, ds, model_states(fam.profile, ds, fam.target, parsed_zero(ds, memo))))
     return sorted(out, key=lambda v: v[2].total)
 
 
@@ -229,7 +232,7 @@ def refine(s: Setting, config, result: SearchResult, top: int) -> None:
             continue
         fam = x.family
         mb = x.config.micro_batch
-        exact = replace(fam, profile=profile_activations(config, replace(fam.target, micro_batch_size=mb)))
+        exact = replace(fam, profile=profile_of(config, replace(fam.target, micro_batch_size=mb), s.memo))
         plan = best_plan(exact.profile, x.states, fam.choices, s)
         result.scored.pop(done)
         if plan is None or (fam.activation_offload and not any(c.offload for c in plan)):

@@ -100,7 +100,7 @@ def zero_config(ds_config: dict):
     return DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
 
 
-def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) -> ModelStates:
+def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, zero=None) -> ModelStates:
     """DeepSpeed's layout, component by component, with DeepSpeed's own defaults for its JSON.
 
     c = compute bytes per parameter (2 in bf16/fp16, 4 in fp32). Adam keeps two fp32 moments (8)
@@ -116,8 +116,9 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target) 
     compute dtype (DeepSpeed's default grad_accum_dtype). allgather_bucket_size allocates
     nothing: the parameters' all-gather writes into the flat parameter buffer
     (all_gather_into_tensor_dp_groups; the bucketed fallback gathers into narrowed views of it).
+    `zero`: `zero_config(ds_config)` where the caller parsed it already (default: parsed here).
     """
-    zero = zero_config(ds_config)
+    zero = zero if zero is not None else zero_config(ds_config)
     # ZeRO shards over the data-parallel ranks; with TP, profile.num_params is already one rank's shard
     n, world, stage = profile.num_params, max(target.world_size // target.tp, 1), int(zero.stage)
     t = target.trained(n)  # frozen parameters (memtrain.model.freeze) have no gradient and no optimizer state

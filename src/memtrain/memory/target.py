@@ -72,14 +72,15 @@ def compute_dtype(ds_config: dict, device: str) -> str:
 
 
 def resolve_spec(recipe, ds_config: dict, world_size: int = 1, device: Optional[str] = None,
-                 model=None) -> tuple[RecomputeSpec, Zero3Layout]:
+                 model=None, largest_param: Optional[int] = None) -> tuple[RecomputeSpec, Zero3Layout]:
     """The RecomputeSpec and ZeRO-3 layout of a run of `recipe` under the JSON `ds_config` on `world_size` ranks and
     `device` (default: this machine's): one function for the run's preflight, make plan, --max-seq and the OOM advice.
-    `model`: the run's model on the meta device (default: built here from the recipe)."""
+    `model`: the run's model on the meta device (default: built here from the recipe); `largest_param`: its largest
+    parameter's elements where the caller counted them (default: counted here)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = model if model is not None else build_on_meta(recipe.model, model_and_config(recipe))
     layer_class = type(decoder_layers(model)[1][0])
-    largest = max(p.numel() for p in model.parameters())
+    largest = largest_param if largest_param is not None else max(p.numel() for p in model.parameters())
     return resolve_with_layout(ds_config, recipe.activation_checkpointing, device, layer_class, largest,
                                max(world_size // json_tp_size(ds_config), 1))
 
