@@ -17,10 +17,22 @@ def per_step(tmp_path_factory):
     return read_scalars(run_dir / "tb")
 
 
-def test_boundaries_and_interval_means(tmp_path, per_step):
-    run_dir = tmp_path / "every4"
-    assert_ok(run_train([*BASE, "--set", "train.log_every=4", "--run-dir", str(run_dir)]))
-    tb = read_scalars(run_dir / "tb")
+@pytest.fixture(scope="module")
+def every4(tmp_path_factory):
+    """One run for both tests: no train.log_every, the JSON's steps_per_print 4 (the default cadence)."""
+    tmp = tmp_path_factory.mktemp("every4")
+    ds = json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text())
+    ds["steps_per_print"] = 4
+    (tmp / "ds.json").write_text(json.dumps(ds))
+    i = BASE.index("train.log_every=1")
+    args = BASE[:i - 1] + BASE[i + 1:]  # without FAST's --set train.log_every=1
+    args[args.index("--deepspeed") + 1] = str(tmp / "ds.json")
+    assert_ok(run_train([*args, "--run-dir", str(tmp / "run")]))
+    return tmp / "run"
+
+
+def test_boundaries_and_interval_means(every4, per_step):
+    tb = read_scalars(every4 / "tb")
     # boundaries: the end of the 3-step metric warm-up, every 4th step, the last step
     assert [s for s, _ in tb["train/loss"]] == [3, 4, 8, 10]
     assert [s for s, _ in tb["throughput/tokens_per_s"]] == [4, 8, 10]  # intervals after the warm-up
@@ -28,17 +40,12 @@ def test_boundaries_and_interval_means(tmp_path, per_step):
     for (step, value), start in zip(tb["train/loss"], [0, 3, 4, 8]):
         interval = [losses[s] for s in range(start + 1, step + 1)]
         assert value == pytest.approx(sum(interval) / len(interval), rel=1e-6)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((every4 / "summary.json").read_text())
     assert summary["measured_steps"] == 7 and summary["final_loss"] == pytest.approx(losses[10], rel=1e-6)
 
 
-def test_default_cadence_is_the_json_steps_per_print(tmp_path):
-    ds = json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text())
-    ds["steps_per_print"] = 5
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    run_dir = tmp_path / "run"
-    i = BASE.index("train.log_every=1")
-    args = BASE[:i - 1] + BASE[i + 1:]  # without FAST's --set train.log_every=1
-    args[args.index("--deepspeed") + 1] = str(tmp_path / "ds.json")
-    assert_ok(run_train([*args, "--run-dir", str(run_dir)]))
-    assert [s for s, _ in read_scalars(run_dir / "tb")["train/loss"]] == [3, 5, 10]
+def test_default_cadence_is_the_json_steps_per_print(every4):
+    """No train.log_every: the JSON's steps_per_print (4; zero3_ckpt.json's own is not 4), not every 10 steps."""
+    assert json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text()).get("steps_per_print") != 4
+    assert [s for s, _ in read_scalars(every4 / "tb")["train/loss"]] == [3, 4, 8, 10]
+    assert json.loads((every4 / "config.json").read_text())["deepspeed"]["steps_per_print"] == 4
