@@ -1,20 +1,31 @@
 """The step loop syncs with the host only at boundaries: every train.log_every steps (default: the
-JSON's steps_per_print, else 10), the end of the metric warm-up, saves and the last step."""
+JSON's steps_per_print, else 10), the end of the metric warm-up, saves and the last step. The per-step run also
+shows that WORLD_SIZE left in the environment without a launcher trains one process."""
 import json
 
 import pytest
 
-from conftest import FAST, ROOT, assert_ok, run_train
+from conftest import FAST, ROOT, _env, assert_ok, run_train
 from memtrain.tools.tb import read_scalars
 
 BASE = [*FAST, "--max-steps", "10", "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json")]
 
 
 @pytest.fixture(scope="module")
-def per_step(tmp_path_factory):
+def per_step_run(tmp_path_factory):
+    """Every step logged (FAST sets train.log_every=1); one process, no launcher, with WORLD_SIZE=2 left in the
+    environment by a shell (test_a_world_size_left_in_the_environment_trains_one_process reads the same run)."""
     run_dir = tmp_path_factory.mktemp("every1")
-    assert_ok(run_train([*BASE, "--run-dir", str(run_dir)]))  # FAST sets train.log_every=1
-    return read_scalars(run_dir / "tb")
+    env = {**_env(), "WORLD_SIZE": "2"}
+    env.pop("RANK", None)
+    proc = run_train([*BASE, "--run-dir", str(run_dir)], env=env)
+    assert_ok(proc)
+    return run_dir, proc
+
+
+@pytest.fixture(scope="module")
+def per_step(per_step_run):
+    return read_scalars(per_step_run[0] / "tb")
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +60,13 @@ def test_default_cadence_is_the_json_steps_per_print(every4):
     assert json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text()).get("steps_per_print") != 4
     assert [s for s, _ in read_scalars(every4 / "tb")["train/loss"]] == [3, 4, 8, 10]
     assert json.loads((every4 / "config.json").read_text())["deepspeed"]["steps_per_print"] == 4
+
+
+def test_a_world_size_left_in_the_environment_trains_one_process(per_step_run):
+    """WORLD_SIZE=2 left behind by a shell, no launcher: one process trains, with one warning (it used to size the
+    batch for 2 ranks and fail inside DeepSpeed's batch assertion)."""
+    run_dir, proc = per_step_run
+    assert [line for line in proc.stdout.splitlines() if line.startswith("warning:")] == [
+        "warning: WORLD_SIZE=2 is set in the environment, but no launcher started this process (no RANK): it trains "
+        "as one process (start it with deepspeed or torchrun for more ranks, or unset WORLD_SIZE)"]
+    assert json.loads((run_dir / "config.json").read_text())["world_size"] == 1
