@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
+
 from conftest import FAST, ROOT, assert_ok, run_train, sitecustomize_env
 
 SLOW_PACKING = """
@@ -54,11 +56,13 @@ def _memory_cgroup(tmp_name: str, limit: int):
     return None
 
 
-def test_host_memory_is_checked_against_the_nodes_ranks_and_the_cgroup():
+def test_host_memory_is_checked_against_the_nodes_ranks_and_the_cgroup(capsys):
     """Before any worker: the ranks on this node x each rank's predicted host bytes (llama-1b's shape cut to 2 layers,
     ZeRO-3 with the optimizer offloaded: 8.9 GiB on this CPU) against what the node can still allocate. The same
     run passes on 1 rank, is one line on 8 ranks (71 GiB > this machine's memory), and is one line on 1 rank in a
-    memory cgroup of 4 GiB (a Slurm job's --mem): the cgroup's room counts, not only MemAvailable."""
+    memory cgroup of 4 GiB (a Slurm job's --mem): the cgroup's room counts, not only MemAvailable. The 1- and 8-rank
+    checks call make train's preflight in this process (its entry point, no worker); the cgroup's runs in a child
+    process, which alone is moved into it."""
     import os
     import subprocess
     import sys
@@ -66,17 +70,21 @@ def test_host_memory_is_checked_against_the_nodes_ranks_and_the_cgroup():
     import pytest
 
     from conftest import _env
+    from memtrain.train import preflight
 
-    base = [sys.executable, "-m", "memtrain.train.preflight", "--deepspeed", str(ROOT / "ds_configs" / "zero3_offload.json"),
+    argv = ["--deepspeed", str(ROOT / "ds_configs" / "zero3_offload.json"),
             "--recipe", str(ROOT / "recipes" / "llama-1b.yaml"), "--set", "model.config.num_hidden_layers=2",
             "--set", "data.random_tokens=true"]
-    one = subprocess.run([*base, "--world-size", "1"], cwd=ROOT, env=_env(), capture_output=True, text=True)
-    assert one.returncode == 0, one.stderr
-    eight = subprocess.run([*base, "--world-size", "8"], cwd=ROOT, env=_env(), capture_output=True, text=True)
-    assert eight.returncode == 2 and eight.stderr.count("\n") == 1, eight.stderr
-    assert "host memory: 8 rank(s) on this node x" in eight.stderr and "available on" in eight.stderr
+    base = [sys.executable, "-m", "memtrain.train.preflight", *argv]
+    preflight.main([*argv, "--world-size", "1"])  # passes: returns, no SystemExit
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as eight:
+        preflight.main([*argv, "--world-size", "8"])
+    err = capsys.readouterr().err
+    assert eight.value.code == 2 and err.count("\n") == 1, err
+    assert "host memory: 8 rank(s) on this node x" in err and "available on" in err
     # rank 0's node also holds the whole model in the compute dtype for final/ at the end (fp32 on CPU: 0.8 GiB)
-    assert ") + final/'s model gathered on rank 0 0.8 GiB = " in eight.stderr, eight.stderr
+    assert ") + final/'s model gathered on rank 0 0.8 GiB = " in err, err
 
     group = _memory_cgroup(f"memtrain-test-{os.getpid()}", 4 << 30)
     if group is None:

@@ -14,7 +14,6 @@ dse_zero2_explicit. The two CPU-offload ones pass preflight but are not trained 
 optimizer needs DeepSpeed's CPU Adam, a JIT build of minutes (preflight warns of it up front).
 """
 import json
-import sys
 
 import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
 import pytest
@@ -83,25 +82,22 @@ def test_runs_are_quiet_and_recorded(trained):
     assert "warmup_num_steps" in (trained["auto_everywhere_ac.json"][0] / "deepspeed.log").read_text()
 
 
-def test_final_and_export_load_with_transformers(trained):
+def test_final_and_export_load_with_transformers(trained, capsys):
     """`memtrain export RUN --step 2` loads with transformers and gives the loss the run logged at
     step 3 (computed on the weights after 2 updates, over both ranks' batches); final/ (gathered
-    ZeRO-3 weights at the end) equals the export of the last checkpoint; the tokenizer round-trips."""
-    import subprocess
-
+    ZeRO-3 weights at the end) equals the export of the last checkpoint; the tokenizer round-trips.
+    The export runs in this process, through `python -m memtrain`'s own entry point (no launch of its own)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import _env
+    from memtrain.__main__ import main
     from memtrain.model.data import prepare_data
 
     run_dir = trained["noopt_zero3_ac.json"][0]
     exported = {}
     for step in (2, 3):
-        proc = subprocess.run([sys.executable, "-m", "memtrain", "export", str(run_dir), "--step", str(step)],
-                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        exported[step] = AutoModelForCausalLM.from_pretrained(proc.stdout.strip().splitlines()[-1]).eval()
+        main(["export", str(run_dir), "--step", str(step)])
+        exported[step] = AutoModelForCausalLM.from_pretrained(capsys.readouterr().out.strip().splitlines()[-1]).eval()
     recipe = parse_args(["--deepspeed", str(CORPUS / "noopt_zero3_ac.json"), *FAST, *STEPS]).recipe
     t = recipe.train
     data = prepare_data(recipe.data, t.seed, build=False)
