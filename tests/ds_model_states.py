@@ -206,6 +206,7 @@ def main() -> None:
             if step == 1:
                 prof.stop()
                 seen["peak"] = max(seen.get("peak", 0), alive + profiled_peak_rise(prof))
+                seen.setdefault("micro_peaks", []).append([alive, alive + profiled_peak_rise(prof)])
                 del prof
             if step == 1 and last:
                 break
@@ -251,6 +252,7 @@ def main() -> None:
             else:  # the bit16 buffer the update is copied back through, the host side of the gradient staging
                 host.update(storages(opt.param_buffer_of_bit16_for_cpu_offload_groups))
                 host.update(storages([opt.temp_grad_buffer_for_cpu_offload]))
+                host.update(storages(opt.accumulated_grads_in_cpu.values()))  # ZeRO-2's accumulation buffers
                 grads.update(storages([opt.temp_grad_buffer_for_gpu_offload]))  # the device side
             master, adam = {}, {}
             grads = {k: v for k, v in grads.items() if k not in host}
@@ -268,8 +270,9 @@ def main() -> None:
         other = sum(v for k, v in now.items() if k not in base and k not in counted)
         measured = {name: sum(t.values()) for name, t in terms.items()}
         measured.update(other=other, gathered_in_forward=seen.get("gathered", 0),
-                        reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"], peak=seen["peak"])
-        target = Target("cpu", compute_dtype(cfg, "cpu"), micro, 32, world)
+                        reduce_buckets=seen["reduce_buckets"], reduce_scratch=seen["reduce_scratch"], peak=seen["peak"],
+                        micro_peaks=seen["micro_peaks"])
+        target = Target("cpu", compute_dtype(cfg, "cpu"), micro, 32, world, grad_accum=accum)
         if "frozen" in offload:  # what train.frozen leaves to train, as make plan counts it (on the meta model)
             made = make_target(frozen_recipe, cfg, world, "cpu")
             target = replace(target, trainable_params=made.trainable_params, all_params=made.all_params)
@@ -278,7 +281,7 @@ def main() -> None:
         prediction = predict(profile, states, ("keep",) * config.num_hidden_layers)
         results[case] = {"measured": measured, "predicted": {k: getattr(states, k) for k in (
             "params", "grads", "optimizer", "buckets", "persistent", "gathered", "update", "host",
-            "reduce_buckets", "reduce_scratch")} | peak_terms(prediction),
+            "reduce_buckets", "reduce_scratch", "accumulated", "accumulating")} | peak_terms(prediction),
             "collectives": {"measured": counted_step, "predicted": predicted_collectives(config, cfg, target, stage, accum)}}
         del engine, model, opt, inner, params, opt_params, terms, counted
         gatherable = None

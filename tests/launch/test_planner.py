@@ -34,7 +34,7 @@ ZERO3 = str(ROOT / "ds_configs" / "zero3_ckpt.json")
 
 
 STATE_CASES = ["1", "1+opt", "2", "2+opt", "3", "3+opt", "3+opt+param", "2+frozen", "3+frozen", "3+opt+param+frozen",
-               "0", "0+ga2", "1+mb2+ga2", "2+ga2", "2+opt+mb2", "3+mb2", "3+opt+ga2"]
+               "0", "0+ga2", "1+mb2+ga2", "2+ga2", "1+opt+ga2", "2+opt+mb2+ga2", "3+mb2", "3+opt+ga2"]
 
 
 def test_model_states_match_deepspeed_per_term(tmp_path):
@@ -63,8 +63,12 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
             m, p = r["measured"], r["predicted"]
             for term, parts in exact.items():
                 measured = sum(m[k] for k in ((parts,) if isinstance(parts, str) else parts))
-                # see above; with frozen weights ZeRO-2's untraced extra is up to 10% of the (smaller) partition
+                # see above; with frozen weights ZeRO-2's untraced extra is up to 10% of the (smaller) partition.
+                # ZeRO-2's host accumulation buffers (optimizer offloaded, accumulation 2) hold whole parameters too:
+                # rank 0's 65 KB more than n/world again, 0.6% of the host bytes
                 tolerance = (0.10 if case == "2+frozen" else 0.05) if term == "grads" else 0
+                if term == "host" and case.startswith("2+opt") and "ga2" in case:
+                    tolerance = 0.01
                 assert p[term] == pytest.approx(measured, rel=tolerance, abs=0), (rank, case, term, m, p)
             # nothing unaccounted; ZeRO-1/2 may still hold the reduction's flatten copy (reduce_scratch)
             # for a moment after the backward, until gloo's asynchronous reduce releases it (seen once
@@ -89,10 +93,11 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # plus the CPU allocator's highest rise in it, from torch.profiler's memory events) against
         # memtrain.memory.predict's peak; on CPU the host's part (offloaded states) is the same memory, so it is added.
         # Measured 2026-11-27 (docs/planner-search.md): ZeRO-0 within 0.01% (its all-reduce's flat gradient copy after
-        # the backward); ZeRO-3 and the offloaded ZeRO-1/2 cells -3.9% to +2.7% (the issue asks 3%); ZeRO-1/2
-        # without offload over by up to 11.2% with accumulation 1 (reduce buckets and scratch counted at a peak where
-        # DeepSpeed held less) and under by up to 13.6% with accumulation 2 (the model has no accumulation term: a
-        # later micro-step holds more gradients than the first)
+        # the backward); ZeRO-3 and the offloaded ZeRO-1/2 cells -3.9% to +2.7%, accumulation 2 included (the issue
+        # asks 3%); ZeRO-1/2 without offload over by up to 11.2% with accumulation 1 (reduce buckets and scratch
+        # counted at a peak where DeepSpeed held less) and by up to 13.3% with accumulation 2 (memtrain.memory.states
+        # .accumulation: ZeRO-1's whole .grads and the boundary's partition, ZeRO-2's second partition, each counted
+        # through the whole backward; it was 13.6% under without them): an upper bound there, never under
         for case, r in result.items():
             m, p = r["measured"], r["predicted"]
             predicted = p["peak"] + p["host"] + p["host_activations"]
@@ -100,8 +105,6 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
                 assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
             elif case.startswith("3") or "opt" in case:
                 assert predicted == pytest.approx(m["peak"], rel=0.05), (rank, case, m["peak"], p)
-            elif "ga2" in case:
-                assert predicted == pytest.approx(m["peak"], rel=0.15), (rank, case, m["peak"], p)
             else:
                 assert m["peak"] <= predicted <= 1.15 * m["peak"], (rank, case, m["peak"], p)
         # the terms are all there: each case has what its layout says, and offload moves it

@@ -148,22 +148,31 @@ def _variant(s: Setting, fam: Family, config, variant, ds: dict, states: ModelSt
         result.dropped["host RAM per node exceeded by the ranks' offloaded model states"] += len(micro_batches)
         return
     dp = s.layout_world // (fam.tp * fam.sp)
-    too_big = False
+    too_big = set()  # the model states (accumulating or not) under which a smaller micro-batch found no plan
+    accumulating = None
     for mb in micro_batches:
         ga, rest = divmod(s.global_tokens, mb * s.seq_len * dp)
         if rest or ga < 1:
             result.dropped["global batch not reachable (tokens not a multiple of micro-batch x seq x DP)"] += 1
             continue
-        plan = None if too_big else best_plan(fam.profile_at(mb), states, fam.choices, s,
-                                              solved.setdefault((mb, states.backward), []), fam)
-        if plan is None:  # activations grow with the micro-batch: every larger one fails too
-            too_big = True
+        # ZeRO-1/2 hold more between micro-steps when they accumulate (memory.states.accumulation); any count
+        # above 1 holds the same, so one more set of states per variant
+        if ga > 1 and stage in (1, 2):
+            accumulating = accumulating or model_states(fam.profile, ds, replace(fam.target, grad_accum=ga),
+                                                        parsed_zero(ds, s.memo))
+            mb_states = accumulating
+        else:
+            mb_states = states
+        plan = None if id(mb_states) in too_big else best_plan(
+            fam.profile_at(mb), mb_states, fam.choices, s, solved.setdefault((mb, mb_states.backward), []), fam)
+        if plan is None:  # activations grow with the micro-batch: every larger one under these states fails too
+            too_big.add(id(mb_states))
             result.dropped["GPU memory exceeded (no per-layer plan fits)"] += 1
             continue
         if fam.activation_offload and not any(c.offload for c in plan):
             result.dropped["activation offload on, but no layer offloaded (same as off)"] += 1
             continue
-        scored = score(s, fam, config, ds, states, stage, offload_opt, offload_param, mb, ga, plan)
+        scored = score(s, fam, config, ds, mb_states, stage, offload_opt, offload_param, mb, ga, plan)
         if scored.host_per_node > s.host_budget:
             result.dropped["host RAM per node exceeded by the ranks' offloads"] += 1
             continue

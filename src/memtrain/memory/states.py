@@ -30,6 +30,9 @@ class ModelStates:
     reduce_scratch: int = 0  # ZeRO-1/2: the flattened copy of one bucket while it is reduced (backward only)
     dequantized: int = 0  # a 4-bit base: the weight bitsandbytes dequantizes for one matmul (forward and backward)
     allreduce_copy: int = 0  # ZeRO-0: the flat copy of the gradients its all-reduce makes after the backward
+    accumulated: int = 0  # gradient accumulation: gradients earlier micro-steps leave beyond `grads` (see accumulation)
+    accumulating: int = 0  # gradient accumulation: what a later micro-step's backward adds beside them (backward only)
+    buckets_held: bool = False  # ZeRO-1 with accumulation: no epilogue frees the reduce buckets between micro-steps
 
     @property
     def without_activations(self) -> int:
@@ -40,13 +43,13 @@ class ModelStates:
     @property
     def backward(self) -> int:
         """What exists only while gradients are reduced (the backward), not in the forward or the update."""
-        return self.reduce_buckets + self.reduce_scratch
+        return (0 if self.buckets_held else self.reduce_buckets) + self.reduce_scratch + self.accumulating
 
     @property
     def total(self) -> int:
         """What is on the device through the forward and backward."""
         return self.params + self.grads + self.optimizer + self.buckets + self.persistent + self.gathered + \
-            self.dequantized
+            self.dequantized + self.accumulated + (self.reduce_buckets if self.buckets_held else 0)
 
 
 ALLREDUCE_ELEMENTS = 500_000_000  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE: ZeRO-0's all-reduce bucket
@@ -105,17 +108,9 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
 
     c = compute bytes per parameter (2 in bf16/fp16, 4 in fp32). Adam keeps two fp32 moments (8)
     beside an fp32 master copy (4; stages 1-3 keep one in fp32 training too, as measured on CPU).
-    Stage >= 1 shards the optimizer, >= 2 the gradients, 3 the parameters.
-
-    ZeRO-1/2 (DeepSpeedZeroOptimizer.setup_buckets, at the first gradient hook of a backward, freed
-    in its epilogue): with contiguous_gradients one ipg bucket of reduce_bucket_size elements per
-    communication dtype, two with overlap_comm (double buffering); with more than one rank,
-    reducing a bucket flattens its per-rank slices into one more tensor of up to the bucket's size
-    (allreduce_and_scatter -> allreduce_bucket; in a world of one the slices merge into one and the
-    flatten is a view: measured, nothing allocated); both in the
-    compute dtype (DeepSpeed's default grad_accum_dtype). allgather_bucket_size allocates
-    nothing: the parameters' all-gather writes into the flat parameter buffer
-    (all_gather_into_tensor_dp_groups; the bucketed fallback gathers into narrowed views of it).
+    Stage >= 1 shards the optimizer, >= 2 the gradients, 3 the parameters. ZeRO-3's buffers:
+    `zero3_buffers`; ZeRO-1/2's reduce buffers: `reduce_buffers`; gradient accumulation:
+    `accumulation`; the optimizer offloaded: `offload_optimizer`.
     `zero`: `zero_config(ds_config)` where the caller parsed it already (default: parsed here).
     """
     zero = zero if zero is not None else zero_config(ds_config)
@@ -123,7 +118,6 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     n, world, stage = profile.num_params, max(target.world_size // target.tp, 1), int(zero.stage)
     t = target.trained(n)  # frozen parameters (memtrain.model.freeze) have no gradient and no optimizer state
     c = torch.tensor([], dtype=target.torch_dtype).element_size()
-    offloaded = lambda o: o is not None and str(getattr(o.device, "value", o.device)) in ("cpu", "nvme")  # noqa: E731
     offload_opt = stage >= 1 and offloaded(zero.offload_optimizer)
     offload_param = stage == 3 and offloaded(zero.offload_param)
     mixed = c < 4
@@ -138,32 +132,9 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     grads = c * t // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
     optimizer = (master + 8) * t // (world if stage >= 1 else 1)
     update = 4 * t // (world if stage >= 1 else 1) if mixed else 0
-    buckets = persistent = gathered = 0
-    if stage == 3:
-        buckets = c * zero.reduce_bucket_size if zero.contiguous_gradients else 0
-        small = persistent_elements(profile, zero)
-        persistent = c * small if world > 1 else 0  # in a world of one the partition is the parameter (measured)
-        # the unit ZeRO-3 gathers at once is a whole decoder layer (memtrain.config.zero3 makes layers leaf
-        # modules), plus the prefetch bucket
-        gathered = c * (profile.largest_layer_params + min(zero.prefetch_bucket_size, n))
-        if q:  # a layer's 4-bit weights gather at half a byte each
-            gathered -= int((c - 0.5) * q / max(profile.num_layers, 1))
-        if resident(ds_config, world):  # memtrain.config.zero3: every parameter persists, nothing is gathered
-            gathered = 0
-        elif keeps_gathered(zero, n, world):
-            # DeepSpeed releases a gathered parameter only if no use of it lies within
-            # max_reuse_distance elements of the trace (forward and backward: ~2n); within reach, every
-            # non-persistent parameter stays whole from its forward to its backward (measured, 2 ranks,
-            # DeepSpeed 0.19.8). In a world of one the H100 calibration above holds (not re-measured).
-            gathered = max(gathered, c * (n - small))
-    reduce_buckets = reduce_scratch = 0
-    if stage in (1, 2):
-        g = c  # the gradient dtype (data_types.grad_accum_dtype apart from it is not modelled)
-        if zero.contiguous_gradients or offload_opt:  # DeepSpeed turns contiguous gradients on for offload
-            reduce_buckets = g * int(zero.reduce_bucket_size) * (2 if zero.overlap_comm else 1)
-        if world > 1:  # in a world of one a bucket's slices merge into one view: nothing is copied
-            largest_param = max((numel for numel, _ in profile.param_sizes), default=0)
-            reduce_scratch = g * min(n, max(int(zero.reduce_bucket_size), largest_param))
+    buckets, persistent, gathered = zero3_buffers(profile, ds_config, zero, c, world, q) if stage == 3 else (0, 0, 0)
+    reduce_buckets, reduce_scratch = reduce_buffers(profile, zero, c, world, offload_opt) if stage in (1, 2) else (0, 0)
+    accumulated, accumulating, accumulated_host = accumulation(zero, stage, c, t, world, target.grad_accum, offload_opt)
     # ZeRO-0 (DeepSpeedEngine.allreduce_no_retain -> allreduce_bucket) flattens the gradients into one tensor of up
     # to 500,000,000 elements (MEMORY_OPT_ALLREDUCE_SIZE) per all-reduce, after the backward: measured on CPU in
     # fp32 (2 ranks, DeepSpeed 0.19.8). On a GPU the same code runs in fp32 and fp16; bf16 goes through DeepSpeed's
@@ -171,25 +142,112 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     allreduce_copy = c * min(t, ALLREDUCE_ELEMENTS) if stage == 0 and world > 1 else 0
     host = 0
     if offload_opt:
-        # The update runs on the host (measured, DeepSpeed 0.19.8, 2 ranks): the fp32 master and
-        # Adam's moments, the fp32 gradient partition it steps with (in fp32 training too), and a
-        # compute-dtype partition: ZeRO-1/2's bit16 buffer the update is copied back through, ZeRO-3's
-        # gradient partitions (on the offload device). ZeRO-1/2 stage each gradient through a buffer
-        # of the largest parameter's size on the device and one on the host.
-        host += optimizer + 4 * t // world + c * t // world
+        host, grads = offload_optimizer(profile, zero, stage, c, t, world, optimizer, grads)
+        host += accumulated_host
         optimizer = update = 0
-        if stage == 3:
-            grads = 0
-        else:  # ZeRO-1 without overlap_comm keeps its full .grad until the backward's end (not measured)
-            largest_param = max((numel for numel, _ in profile.param_sizes), default=0)
-            grads = (grads if stage == 1 and not zero.overlap_comm else 0) + c * largest_param
-            host += c * largest_param
     if offload_param:
         host += params
         params = 0
     # bitsandbytes dequantizes a 4-bit weight whole in the compute dtype for each matmul (forward and backward)
     dequantized = c * max((numel for numel, _ in profile.quantized_sizes), default=0)
     return ModelStates(params, grads, optimizer, buckets, persistent, gathered, update, host,
-                       reduce_buckets, reduce_scratch, dequantized, allreduce_copy)
+                       reduce_buckets, reduce_scratch, dequantized, allreduce_copy, accumulated, accumulating,
+                       buckets_held=stage == 1 and target.grad_accum > 1 and reduce_buckets > 0)
 
 
+def offloaded(section) -> bool:
+    """Whether a ZeRO offload section moves its tensors off the device (to the host or NVMe)."""
+    return section is not None and str(getattr(section.device, "value", section.device)) in ("cpu", "nvme")
+
+
+def largest_param(profile: "ActivationProfile") -> int:
+    """Elements of the largest parameter tensor."""
+    return max((numel for numel, _ in profile.param_sizes), default=0)
+
+
+def zero3_buffers(profile: "ActivationProfile", ds_config: dict, zero, c: int, world: int,
+                  q: int) -> tuple[int, int, int]:
+    """ZeRO-3: (the contiguous reduce bucket, the persistent parameters kept whole, the gathered parameters).
+    `q`: a 4-bit base's elements."""
+    n = profile.num_params
+    buckets = c * zero.reduce_bucket_size if zero.contiguous_gradients else 0
+    small = persistent_elements(profile, zero)
+    persistent = c * small if world > 1 else 0  # in a world of one the partition is the parameter (measured)
+    # the unit ZeRO-3 gathers at once is a whole decoder layer (memtrain.config.zero3 makes layers leaf
+    # modules), plus the prefetch bucket
+    gathered = c * (profile.largest_layer_params + min(zero.prefetch_bucket_size, n))
+    if q:  # a layer's 4-bit weights gather at half a byte each
+        gathered -= int((c - 0.5) * q / max(profile.num_layers, 1))
+    if resident(ds_config, world):  # memtrain.config.zero3: every parameter persists, nothing is gathered
+        gathered = 0
+    elif keeps_gathered(zero, n, world):
+        # DeepSpeed releases a gathered parameter only if no use of it lies within
+        # max_reuse_distance elements of the trace (forward and backward: ~2n); within reach, every
+        # non-persistent parameter stays whole from its forward to its backward (measured, 2 ranks,
+        # DeepSpeed 0.19.8). In a world of one the H100 calibration above holds (not re-measured).
+        gathered = max(gathered, c * (n - small))
+    return buckets, persistent, gathered
+
+
+def reduce_buffers(profile: "ActivationProfile", zero, c: int, world: int, offload_opt: bool) -> tuple[int, int]:
+    """ZeRO-1/2: (the ipg reduce buckets, the reduction's flatten copy).
+
+    DeepSpeedZeroOptimizer.setup_buckets, at the first gradient hook of a backward, freed
+    in its epilogue: with contiguous_gradients one ipg bucket of reduce_bucket_size elements per
+    communication dtype, two with overlap_comm (double buffering); with more than one rank,
+    reducing a bucket flattens its per-rank slices into one more tensor of up to the bucket's size
+    (allreduce_and_scatter -> allreduce_bucket; in a world of one the slices merge into one and the
+    flatten is a view: measured, nothing allocated); both in the
+    compute dtype (DeepSpeed's default grad_accum_dtype). allgather_bucket_size allocates
+    nothing: the parameters' all-gather writes into the flat parameter buffer
+    (all_gather_into_tensor_dp_groups; the bucketed fallback gathers into narrowed views of it)."""
+    g = c  # the gradient dtype (data_types.grad_accum_dtype apart from it is not modelled)
+    buckets = scratch = 0
+    if zero.contiguous_gradients or offload_opt:  # DeepSpeed turns contiguous gradients on for offload
+        buckets = g * int(zero.reduce_bucket_size) * (2 if zero.overlap_comm else 1)
+    if world > 1:  # in a world of one a bucket's slices merge into one view: nothing is copied
+        scratch = g * min(profile.num_params, max(int(zero.reduce_bucket_size), largest_param(profile)))
+    return buckets, scratch
+
+
+def accumulation(zero, stage: int, c: int, t: int, world: int, accum: int,
+                 offload_opt: bool) -> tuple[int, int, int]:
+    """ZeRO-1/2 with gradient accumulation > 1: (gradients the earlier micro-steps leave on the device beyond `grads`,
+    through the forward and backward; what only a later micro-step's backward adds; host bytes).
+
+    DeepSpeed 0.19.8, stage_1_and_2.py. ZeRO-1 (partition_gradients False) reduces only at the accumulation
+    boundary (reduce_ready_partitions_and_remove_grads): every .grad stays whole, accumulated in place, from the
+    first micro-step's backward to its reduction in the boundary's; there the contiguous gradient partition
+    (copy_grads_in_partition: grads_in_partition) is allocated at the first bucket's reduction, while the whole
+    .grads are still held (offloaded: the partition goes to the host instead). Without overlap_comm `grads` already
+    counts the whole .grads. ZeRO-2 reduces every micro-step: the epilogue keeps the reduced partition
+    (all_grad_tensors) and frees grads_in_partition, so each later backward allocates a second partition at its
+    first reduction and adds it into the first at its end. ZeRO-2 with the optimizer offloaded accumulates in a
+    host buffer per parameter of its partition instead (accumulated_grads_in_cpu, kept for the run)."""
+    if accum <= 1 or stage not in (1, 2):
+        return 0, 0, 0
+    partition = c * t // world
+    if stage == 2:
+        return (0, 0, partition) if offload_opt else (0, partition, 0)
+    if not zero.overlap_comm:
+        return 0, 0, 0
+    if offload_opt:
+        return c * t, 0, 0
+    return c * t - partition, partition if zero.contiguous_gradients else 0, 0
+
+
+def offload_optimizer(profile: "ActivationProfile", zero, stage: int, c: int, t: int, world: int, optimizer: int,
+                      grads: int) -> tuple[int, int]:
+    """The optimizer offloaded: (its host bytes, the gradients left on the device).
+
+    The update runs on the host (measured, DeepSpeed 0.19.8, 2 ranks): the fp32 master and
+    Adam's moments, the fp32 gradient partition it steps with (in fp32 training too), and a
+    compute-dtype partition: ZeRO-1/2's bit16 buffer the update is copied back through, ZeRO-3's
+    gradient partitions (on the offload device). ZeRO-1/2 stage each gradient through a buffer
+    of the largest parameter's size on the device and one on the host."""
+    host = optimizer + 4 * t // world + c * t // world
+    if stage == 3:
+        return host, 0
+    # ZeRO-1 without overlap_comm keeps its full .grad until the backward's end (not measured)
+    staging = c * largest_param(profile)
+    return host + staging, (grads if stage == 1 and not zero.overlap_comm else 0) + staging

@@ -35,6 +35,7 @@ class Target:
     lora: Optional[LoraSection] = None  # model.lora: the measured layers carry the adapters (memtrain.model.lora)
     packed: bool = False  # rows pack whole samples, positions restarting (data.format chat/instruction)
     quantization: Optional[QuantizationSection] = None  # model.quantization: a 4-bit base (memtrain.model.quantize)
+    grad_accum: int = 1  # train.grad_accum_steps (the JSON's gradient_accumulation_steps): micro-steps per update
 
     def trained(self, n: int) -> int:
         """Of `n` parameter elements (the whole model, or one TP rank's shards), those that train."""
@@ -104,7 +105,8 @@ def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] 
                   loss=recipe.train.loss if tp <= 1 else "standard",  # AutoTP: memtrain.train.long_context
                   tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
                   partition=spec.partition_activations, trainable_params=trainable, all_params=total,
-                  lora=recipe.model.lora, packed=builds_packed_mask(recipe), quantization=recipe.model.quantization)
+                  lora=recipe.model.lora, packed=builds_packed_mask(recipe), quantization=recipe.model.quantization,
+                  grad_accum=recipe.train.grad_accum_steps)
 
 
 def builds_packed_mask(recipe) -> bool:

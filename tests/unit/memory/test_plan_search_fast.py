@@ -58,6 +58,7 @@ def _one_by_one(recipe, ds: dict, hw, nodes: int, tokens: int, budget: int, host
                 if rest or ga < 1:
                     dropped["global batch not reachable (tokens not a multiple of micro-batch x seq x DP)"] += 1
                     continue
+                states = model_states(fam.profile, vds, replace(fam.target, grad_accum=ga))  # what accumulating holds
                 profile = fam.profile.scaled(mb) if mb != fam.profile.target.micro_batch_size else fam.profile
                 keep = (LayerChoice("keep"),) * profile.num_layers
                 plan = keep if predict(profile, states, keep).peak <= budget else solve(

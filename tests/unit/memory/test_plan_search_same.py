@@ -2,7 +2,7 @@
 configuration's plan, peak, host bytes and step-time terms, and its drop counts, against
 `plan_search_ranked.json`, written by the search of commit 0001edb (before the array solver and the shared memos) and
 written again after the memory model's deliberate changes (ZeRO-0's all-reduce copy, ZeRO-3's persistent gathers:
-commit df6d440). A change to the memory or time model changes the table on purpose: check the new ranking, then write
+commit df6d440; ZeRO-1/2's gradient accumulation terms in the search). A change to the memory or time model changes the table on purpose: check the new ranking, then write
 the fixture again with `PYTHONPATH=src:tests python tests/unit/memory/test_plan_search_same.py` and say why in the commit.
 A change that only makes the search faster must leave it as it is. In-process, on the tiny recipe: seconds."""
 from __future__ import annotations

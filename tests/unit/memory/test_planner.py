@@ -427,3 +427,36 @@ def test_predict_run_of_a_lora_run_matches_the_allocator(policy):
     ids = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
     measured = allocator_peak(model, ids)
     assert pred.activation_peak == pytest.approx(measured, rel=0.05), (policy, pred.phase)
+
+
+def test_zero12_accumulation_terms_by_phase(tiny):
+    """Gradient accumulation 2 (make_target reads train.grad_accum_steps): ZeRO-2 holds one more gradient partition
+    in a later micro-step's backward only; ZeRO-1 with overlap_comm holds every whole .grad between micro-steps
+    (forward and backward), its reduce buckets too (no epilogue frees them), and the boundary's partition in the
+    backward. The optimizer offloaded: ZeRO-2 accumulates in a host buffer, ZeRO-1 as without offload but for the
+    partition (tests/launch/test_planner.py measures the peaks and the host bytes against real engines)."""
+    from dataclasses import replace
+
+    _, config, profile = tiny
+    recipe = load_recipe(None, ["data.seq_len=128", "train.grad_accum_steps=2"])
+    assert make_target(recipe, {}, 2, "cpu").grad_accum == 2
+    one, two = Target("cpu", "float32", 1, 128, 2), Target("cpu", "float32", 1, 128, 2, grad_accum=2)
+    t = profile.num_params
+    for stage in (1, 2):
+        ds = load_ds_config(str(ROOT / "ds_configs" / "zero2_ckpt.json"))
+        ds["zero_optimization"]["stage"] = stage
+        single, accum = model_states(profile, ds, one), model_states(profile, ds, two)
+        partition = 4 * t // 2
+        if stage == 2:
+            assert accum.total == single.total and accum.backward == single.backward + partition
+        else:
+            assert accum.total == single.total + (4 * t - partition) + single.reduce_buckets
+            assert accum.backward == single.backward - single.reduce_buckets + partition
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        # the optimizer offloaded: ZeRO-2 accumulates in a host buffer, ZeRO-1 still in its whole .grads (and buckets)
+        single, accum = model_states(profile, ds, one), model_states(profile, ds, two)
+        if stage == 2:
+            assert accum == replace(single, host=single.host + partition)
+        else:
+            assert accum.total == single.total + 4 * t + single.reduce_buckets and accum.host == single.host
+            assert accum.backward == single.backward - single.reduce_buckets
