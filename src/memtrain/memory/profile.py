@@ -298,27 +298,35 @@ def _profiled(config, target: Target, modes: tuple[str, ...]) -> ActivationProfi
     extra = tuple(m for m in modes if m.startswith(MODULES))
     modes = tuple(m for m in modes if m not in extra)
     full_config, config = config, tensor_parallel.local_config(config, target.tp)  # one TP rank's shards
-    key = (config.to_json_string(), target, _loss_code(target), modes)
+    key = (config.to_json_string(), measured_part(target), _loss_code(target), modes)
     if key not in _PROFILES:
         measured = _measure_profile(config, target, modes)
         measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
         measured = ulysses.add_buffers(measured, config)  # its all-to-all buffers (sp > 1)
         _PROFILES[key] = tensor_parallel.partition_inputs(measured, target.tp) if target.partition else measured
     profile = _PROFILES[key]
+    if profile.target != target:  # measured for another world size or accumulation: the same bytes, this target
+        profile = replace(profile, target=target)
     if not extra:
         return profile
     layers = dict(profile.layers)
+    mkey = (config.to_json_string(), measured_part(target), _loss_code(target))
     for mode in extra:
-        mkey = (config.to_json_string(), target, _loss_code(target), mode)
-        if mkey not in _MODE_COSTS:
+        if (*mkey, mode) not in _MODE_COSTS:
             with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
                 run = _run(fake_model(config, 1, target), (mode,), target)
-            _MODE_COSTS[mkey] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
-                                 run["largest_block"])
-        layers[mode] = _MODE_COSTS[mkey][0]
-    largest = max([profile.largest_block]
-                  + [_MODE_COSTS[(config.to_json_string(), target, _loss_code(target), m)][1] for m in extra])
+            _MODE_COSTS[(*mkey, mode)] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
+                                          run["largest_block"])
+        layers[mode] = _MODE_COSTS[(*mkey, mode)][0]
+    largest = max([profile.largest_block] + [_MODE_COSTS[(*mkey, m)][1] for m in extra])
     return replace(profile, layers=layers, largest_block=largest)
+
+
+def measured_part(target: Target) -> Target:
+    """`target` with what no measurement reads set to one value: the world size, the trained share of the parameters
+    and the accumulation steps (the model states' and the step's, not one layer's activations). Profiles of two
+    targets that differ only there are one measurement."""
+    return replace(target, world_size=1, trainable_params=0, all_params=0, grad_accum=1)
 
 
 def _loss_code(target: Target) -> str:

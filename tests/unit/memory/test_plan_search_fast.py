@@ -113,9 +113,10 @@ def test_search_scores_every_configuration_as_alone(tmp_path, host_budget):
     assert sum(any(c.offload for c in x.layers) for x in alone) > 10
 
 
-def test_a_second_search_measures_no_profile_again(monkeypatch):
+def test_a_second_search_measures_no_profile_again(monkeypatch, tmp_path):
     """What the search caches across searches (the meta model, the profiles) leaves the next search's cache keys as
-    they were: a second search in one process measures nothing on fake tensors, and answers the same."""
+    they were: a second search in one process measures nothing on fake tensors, and answers the same. On 2 GPUs a
+    node: TP 1 and 2, SP 2, each a family of its own measurement (8 GPUs add TP 4 and SP 4: the same keys, larger)."""
     from memtrain.config.ds_config import load_ds_config
     from memtrain.config.recipe import load_recipe
     from memtrain.memory import profile
@@ -123,11 +124,13 @@ def test_a_second_search_measures_no_profile_again(monkeypatch):
     from memtrain.memory.search import search
 
     recipe = load_recipe(None, ["data.seq_len=48", "model.config.intermediate_size=80"])  # a model no test measured
-    args = (recipe, load_ds_config(DS), load_hardware(H100), 1, 48 * 8 * 4)
+    sheet = tmp_path / "h100-2x.yaml"
+    sheet.write_text(H100.read_text().replace("gpus_per_node: 8", "gpus_per_node: 2"))
+    args = (recipe, load_ds_config(DS), load_hardware(sheet), 1, 48 * 2 * 4)
     first = search(*args, micro_batches=(1, 2), exact_top=0)
     measured = []
     real = profile._measure_profile
     monkeypatch.setattr(profile, "_measure_profile", lambda *a, **k: measured.append(a) or real(*a, **k))
     second = search(*args, micro_batches=(1, 2), exact_top=0)
-    assert not measured
+    assert not measured and {(x.config.tp, x.config.sp) for x in first.scored} == {(1, 1), (2, 1), (1, 2)}
     assert [(x.config, x.layers, x.peak) for x in first.scored] == [(x.config, x.layers, x.peak) for x in second.scored]

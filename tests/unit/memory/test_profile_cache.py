@@ -95,3 +95,24 @@ def test_the_fused_loss_backend_is_part_of_the_memo_key(kept, monkeypatch):
     monkeypatch.undo()
     forget_measured()
     assert profile_activations(config, target, ("keep",)) == with_torch and len(_entries(kept)) == 2
+
+
+def test_what_no_measurement_reads_shares_one_measurement(monkeypatch):
+    """Targets that differ only in the world size, the trained share and the accumulation steps measure the same
+    bytes (each measured afresh here, memos emptied), so this process measures them once: the second is handed the
+    first's costs under its own target, with no measurement on fake tensors."""
+    from memtrain.memory import profile
+
+    config = build_config(ModelSection(type="llama", config=SMALL_LLAMA), vocab_size=257, seq_len=32)
+    small = Target("cpu", "float32", 2, 32, 2)
+    large = replace(small, world_size=16, grad_accum=4, trainable_params=5, all_params=10)
+    forget_measured()
+    fresh_large = profile_activations(config, large, MODES)
+    forget_measured()
+    fresh_small = profile_activations(config, small, MODES)
+    assert fresh_large.target == large and replace(fresh_large, target=small) == fresh_small
+    measured = []
+    real = profile._measure_profile
+    monkeypatch.setattr(profile, "_measure_profile", lambda *a, **k: measured.append(a) or real(*a, **k))
+    assert profile_activations(config, large, MODES) == fresh_large and not measured
+    forget_measured()
