@@ -72,8 +72,9 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """In-process tests on tiny shapes (`pytestmark = pytest.mark.usefixtures("one_thread")`): threads only add
-    synchronisation, and stall when the cores are shared."""
+    """In-process parts of launch-tier files on tiny shapes (`pytestmark = pytest.mark.usefixtures("one_thread")`;
+    the unit tier runs on one thread throughout, tests/unit/conftest.py): threads only add synchronisation, and
+    stall when the cores are shared."""
     import torch
 
     threads = torch.get_num_threads()

@@ -12,7 +12,6 @@ from conftest import ROOT
 
 from memtrain.errors import UserError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 H100 = ROOT / "hardware" / "h100-sxm-8x.yaml"
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"

@@ -11,7 +11,6 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 H100 = ROOT / "hardware" / "h100-sxm-8x.yaml"
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"

@@ -15,7 +15,6 @@ from memtrain.model.build import build_config, build_model
 from memtrain.model.data import build_tokenizer, prepare_data, save_tokenizer
 from chatml import TEMPLATE
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: a second thread only spins (conftest.one_thread)
 
 TWO_TURNS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
              {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},

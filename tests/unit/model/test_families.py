@@ -17,7 +17,6 @@ from memtrain.model.build import build_config, build_model
 from memtrain.recompute.hooks import apply_plan, remove_plan
 from memtrain.recompute.policy import plan_for
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 POLICIES = ["full", "every:2", "first:1", "sqrt", "selective:attn", "selective:mlp", "op", "op+first:2"]
 PLANNED = ["none", "full", "selective:attn", "selective:mlp", "op", "sqrt"]
 ZERO3 = str(ROOT / "ds_configs" / "zero3_ckpt.json")

@@ -17,7 +17,6 @@ from memtrain.model.build import build_config, build_model
 from memtrain.model.freeze import count_trainable, freeze, trainable_names
 from memtrain.train import preflight
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: a second thread only spins (conftest.one_thread)
 
 LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 64}

@@ -24,7 +24,6 @@ from memtrain.model.loss import install_loss
 from memtrain.model.tiled_mlp import install_tiled_mlp, tiled_mlp_shards
 
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: a second thread only spins (conftest.one_thread)
 
 
 def _llama(vocab=300, layers=2, hidden=64, inter=128, tied=False, seed=0):

@@ -19,7 +19,6 @@ from memtrain.memory.target import make_target, model_and_config
 from memtrain.model.build import build_config, build_model
 from memtrain.model.lora import add_lora
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: a second thread only spins (conftest.one_thread)
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 128}

@@ -16,7 +16,6 @@ from memtrain.errors import UserError
 from memtrain.model.build import build_config, build_model
 from memtrain.train.preflight import resolve_run
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 128}

@@ -173,7 +173,6 @@ def test_gpu_check_runs_lora_beside_qlora():
     assert recipe.model.quantization.type == "nf4" and recipe.model.lora.r == 16
 
 
-@pytest.mark.usefixtures("one_thread")
 def test_plan_search_keeps_to_what_a_4bit_base_runs_with():
     """make plan --search on a QLoRA recipe: Ulysses and offload_param, which preflight refuses with a 4-bit base,
     are dropped with their reason, never proposed."""

@@ -22,7 +22,6 @@ from memtrain.model.data import PackedData, RandomTokens, prepare_data, save_tok
 from memtrain.train.parallel import Layout
 from chatml import TEMPLATE
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: a second thread only spins (conftest.one_thread)
 
 SEQ = 256
 LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

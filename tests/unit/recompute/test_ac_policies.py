@@ -17,7 +17,6 @@ from memtrain.model.build import build_config, build_model
 from memtrain.config.recipe import ModelSection
 
 SEQ, BATCH, VOCAB = 32, 2, 257
-pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = {
     "llama": {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 64},
