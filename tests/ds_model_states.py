@@ -81,7 +81,8 @@ def count_collectives() -> None:
             continue
 
         def counted(*args, fn=fn, name=name, kind=kind, **kwargs):
-            if COLLECTIVES["on"]:
+            group = kwargs.get("group", next((a for a in args if isinstance(a, tdist.ProcessGroup)), None))
+            if COLLECTIVES["on"] and tdist.get_world_size(group) > 1:  # a group of one moves nothing
                 given = [*args, *kwargs.values()]
                 tensors = [a for a in given if isinstance(a, torch.Tensor)]
                 lists = [a for a in given if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
@@ -125,6 +126,7 @@ def case_recipe(c: dict):
 def case_ds_config(c: dict, recipe, world: int, root: Path) -> dict:
     """The JSON of a case: zero3_noac.json, fp32, small buckets, the case's ZeRO stage, offload and AutoTP."""
     from memtrain.config.ds_config import load_ds_config, resolve_ds_config
+    from memtrain.memory.target import resolve_spec
 
     stage, options = c["stage"], c["options"]
     raw = load_ds_config(str(root / "ds_configs" / "zero3_noac.json"))
@@ -147,7 +149,10 @@ def case_ds_config(c: dict, recipe, world: int, root: Path) -> dict:
         zero["offload_param"] = {"device": "cpu"}
     if c["tp"] > 1:
         raw["tensor_parallel"] = {"autotp_size": c["tp"]}
-    return resolve_ds_config(raw, recipe, world, Path("unused"), 0)
+    cfg = resolve_ds_config(raw, recipe, world, Path("unused"), 0)
+    if c["tp"] > 1:  # ZeRO-3 on one data-parallel rank: the residency and leaf layers the trainer's preflight sets
+        cfg = resolve_spec(recipe, cfg, world, "cpu")[1].apply(cfg)
+    return cfg
 
 
 def build_engine(c: dict, cfg: dict, recipe, config, frozen_recipe):
