@@ -5,7 +5,11 @@ Run by `deepspeed --num_gpus 2 tests/ds_model_states.py OUT_DIR CASE...` (CPU gl
 "<stage>" (0 to 3), "<stage>+opt" (offload_optimizer to the CPU), "3+opt+param" (and offload_param) or
 "<stage>+nooverlap" (overlap_comm off; the JSON has it on) or "<stage>+frozen" (the recipe's train.frozen
 takes the embedding and every attention block out of training, as the trainer does: memtrain.model.freeze);
-"+mb2" makes the micro-batch 2 rows, "+ga2" accumulates gradients over 2 micro-steps.
+"+mb2" makes the micro-batch 2 rows, "+ga2" accumulates gradients over 2 micro-steps; "+tp2" runs DeepSpeed's
+AutoTP over the 2 ranks (one data-parallel rank), "+sp2" Ulysses over them (memtrain.train.long_context, as the
+trainer registers it; micro-batch 1 and after every other case: the registration holds for the whole process).
+A TP or SP group reads one batch, so those cases feed both ranks the same ids. Collectives on a group of one rank
+move nothing and are not counted.
 Each rank writes OUT_DIR/rank<r>.json: per case, the measured bytes of every term and the
 prediction. Terms are counted by tensor storage (views and aliases once), from the structures
 that hold them (DeepSpeed 0.19.8's attribute names), not from memtrain:
