@@ -5,16 +5,14 @@
   CPU-sized sequence;
 * predicted activation peak of mixed plans vs a real step's tracked live bytes;
 * predicted model states, term by term, vs what real DeepSpeed engines hold on 2 CPU ranks
-  (ZeRO-0 to -3, with and without offload, micro-batch 2, gradient accumulation 2; tests/ds_model_states.py);
+  (ZeRO-0 to -3, with and without offload and overlap_comm, micro-batch 2, gradient accumulation 2;
+  tests/ds_model_states.py), the ZeRO-1/2 reduce buckets included;
 * the DP against brute force; `auto` training the default recipe under a budget that forces a
   mixed plan; `python -m memtrain.tools.plan` on every shipped recipe;
 * predict_run for full, sqrt and modules: plans vs the CPU allocator's own memory events (the
-  profiler) in a real step; the offload prefetch term vs the restores counted at the copy engine;
-  ZeRO-1/2 reduce buckets vs the buffers a real DeepSpeed engine holds in its backward.
+  profiler) in a real step; the offload prefetch term vs the restores counted at the copy engine.
 """
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,12 +32,17 @@ ZERO3 = str(ROOT / "ds_configs" / "zero3_ckpt.json")
 
 
 STATE_CASES = ["1", "1+opt", "2", "2+opt", "3", "3+opt", "3+opt+param", "2+frozen", "3+frozen", "3+opt+param+frozen",
-               "0", "0+ga2", "1+mb2+ga2", "2+ga2", "1+opt+ga2", "2+opt+mb2+ga2", "3+mb2", "3+opt+ga2"]
+               "0", "0+ga2", "1+mb2+ga2", "2+ga2", "1+opt+ga2", "2+opt+mb2+ga2", "3+mb2", "3+opt+ga2", "2+nooverlap",
+               # AutoTP 2 (the two ranks one TP group, one data-parallel rank), then Ulysses SP 2, last: its registration
+               # replaces the attention for the whole process and fixes one micro-batch size (so SP's cells are mb 1)
+               "0+tp2", "1+tp2", "2+tp2+mb2+ga2", "2+opt+tp2", "3+tp2", "3+opt+tp2+ga2",
+               "1+sp2", "2+sp2+ga2", "2+opt+sp2", "3+sp2", "3+opt+sp2+ga2"]
 
 
 def test_model_states_match_deepspeed_per_term(tmp_path):
     """One 2-rank launch of the real deepspeed launcher (CPU gloo) builds ZeRO-0 to -3 engines
-    with and without offload, some with micro-batch 2 or gradient accumulation 2 (tests/ds_model_states.py: the tiny recipe in fp32, a 100,000-element
+    with and without offload, some with micro-batch 2 or gradient accumulation 2, some under AutoTP 2 or Ulysses
+    SP 2 in the same process group (tests/ds_model_states.py: the tiny recipe in fp32, a 100,000-element
     reduce bucket so no term swamps another) and measures every term from the engine's own tensors.
     Each rank, each case, each term of model_states on its own: exact (measured so), but the
     ZeRO-1/2 gradient partition within 5% (rank 0's holds 65 KB more than n/world, rank 1's 256
@@ -52,7 +55,7 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
     rank's partition holds). The same launch counts one optimizer step's collective bytes against
     memtrain.memory.comm_volume, and the step's peak of CPU tensor bytes against memtrain.memory.predict (see
     below)."""
-    proc = run_launch(launch_cmd(ROOT / "tests" / "ds_model_states.py", [str(tmp_path), *STATE_CASES]), timeout=600)
+    proc = run_launch(launch_cmd(ROOT / "tests" / "ds_model_states.py", [str(tmp_path), *STATE_CASES]), timeout=900)
     assert_ok(proc)
     exact = {"params": "params", "grads": "grads", "optimizer": ("master", "adam"), "buckets": "buckets",
              "persistent": "persistent", "host": "host", "reduce_buckets": "reduce_buckets"}
@@ -69,6 +72,13 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
                 tolerance = (0.10 if case == "2+frozen" else 0.05) if term == "grads" else 0
                 if term == "host" and case.startswith("2+opt") and "ga2" in case:
                     tolerance = 0.01
+                if "tp2" in case and term in ("params", "grads", "optimizer", "host"):
+                    # rank 1 holds 128 of the untied LM head's 257 rows (512 B); the model counts the larger rank's
+                    # 129. ZeRO-3 under AutoTP also partitions the replicated parameters (embedding, norms: 34,048
+                    # elements) over the TP ranks, and keeps them whole beside (3.8% of each term): not modelled
+                    tolerance = 0.04 if case.startswith("3") else 0.001
+                if term == "persistent" and case.startswith("3") and "tp2" in case:
+                    continue  # the replicated parameters kept whole (above), checked against the collectives below
                 assert p[term] == pytest.approx(measured, rel=tolerance, abs=0), (rank, case, term, m, p)
             # nothing unaccounted; ZeRO-1/2 may still hold the reduction's flatten copy (reduce_scratch)
             # for a moment after the backward, until gloo's asynchronous reduce releases it (seen once
@@ -78,16 +88,27 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
             assert p["update"] == 0  # fp32: no separate fp32 gradients for the update
             if case.startswith("3"):  # the default reuse distance keeps every non-persistent parameter whole
                 assert p["gathered"] == m["gathered_in_forward"], (rank, case, m, p)
+            elif "tp2" in case and not case.startswith("0"):  # one data-parallel rank: a bucket's slices are one
+                assert m["reduce_scratch"] == p["reduce_scratch"] == 0, (rank, case, m, p)  # view, nothing copied
             elif not case.startswith("0"):  # ZeRO-0 reduces through no ipg bucket
                 assert 0 < m["reduce_scratch"] <= p["reduce_scratch"], (rank, case, m, p)
         # one optimizer step's collectives (the first step's update, the second step's micro-steps), counted on
         # torch.distributed as DeepSpeed calls it, against memtrain.memory.comm_volume: every gather and reduction
         # exact, micro-batch 2 and gradient accumulation 2 included (frozen weights: only the trained ones are reduced
         # and gathered; ZeRO-3 re-gathers its persistent parameters after each update). ZeRO-3 also broadcast 2,168 B
-        # in the step of the accumulation-1 cells (not traced to its source; not in comm_volume)
+        # in the step of the accumulation-1 cells (not traced to its source; not in comm_volume). AutoTP: each layer's
+        # 2 forward and 5 backward all-reduces, the LM head's padded logits gather and input gradient; Ulysses: the
+        # all-to-alls and each attention's position ids gather; a group of one moves nothing and is not counted.
+        # ZeRO-3 under AutoTP also reduces the replicated parameters' gradients over the TP group every micro-step and
+        # gathers them once a step: not in comm_volume, and exactly the replicated bytes it keeps whole (persistent)
         for case, r in result.items():
             m, p = r["collectives"]["measured"], r["collectives"]["predicted"]
-            assert m["reduce"] == p["reduce"] and m["gather"] == p["gather"], (rank, case, m, p)
+            replicated = r["measured"]["persistent"] if case.startswith("3") and "tp2" in case else 0
+            micro_steps = 2 if "ga2" in case else 1
+            assert m["reduce"] == p["reduce"] + micro_steps * replicated, (rank, case, m, p)
+            assert m["gather"] == p["gather"] + replicated and m["all_to_all"] == p["all_to_all"], (rank, case, m, p)
+            assert ("tp2" not in case or (p["reduce"] > 0 and (replicated > 0) == case.startswith("3"))) and \
+                ("sp2" not in case or p["all_to_all"] > 0), (rank, case, m, p)
             assert m["other"] < 4096 if case.startswith("3") else m["other"] == 0, (rank, case, m, p)
         # the step's peak of CPU tensor bytes (the second step, the highest of its micro-steps: bytes alive before one
         # plus the CPU allocator's highest rise in it, from torch.profiler's memory events) against
@@ -98,10 +119,18 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # counted at a peak where DeepSpeed held less) and by up to 13.3% with accumulation 2 (memtrain.memory.states
         # .accumulation: ZeRO-1's whole .grads and the boundary's partition, ZeRO-2's second partition, each counted
         # through the whole backward; it was 13.6% under without them): an upper bound there, never under
+        # AutoTP and Ulysses (measured 2026-11-27, three launches): -1.1% to +0.8% under ZeRO-3 and offloaded ZeRO-2
+        # with TP 2, +0.5% to +2.9% offloaded with SP 2; ZeRO-1/2 without offload over by 2.6% to 6.5% (as above).
+        # ZeRO-0 under TP 2, -0.9% to -0.6%: it makes its all-reduce copy on one data-parallel rank too (it was 7.5% to
+        # 8.7% under without it).
+        # Not within 3%, not traced: ZeRO-3 under SP 2, 2.2% to 7.7% under (Ulysses' buffers are an estimate,
+        # memtrain.memory.ulysses)
         for case, r in result.items():
             m, p = r["measured"], r["predicted"]
             predicted = p["peak"] + p["host"] + p["host_activations"]
-            if case.startswith("0"):
+            if case.startswith("3") and "sp2" in case:
+                assert predicted == pytest.approx(m["peak"], rel=0.10), (rank, case, m["peak"], p)
+            elif case.startswith("0"):
                 assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
             elif case.startswith("3") or "opt" in case:
                 assert predicted == pytest.approx(m["peak"], rel=0.05), (rank, case, m["peak"], p)
@@ -116,6 +145,9 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # with the optimizer and parameters offloaded, the host holds Adam states of the trainable parameters only
         offloaded, offloaded_frozen = result["3+opt+param"]["measured"], result["3+opt+param+frozen"]["measured"]
         assert offloaded_frozen["host"] < 0.8 * offloaded["host"] and offloaded_frozen["adam"] == 0, rank
+        # overlap_comm double-buffers the ipg reduce bucket (the JSON has it on; "+nooverlap" turns it off)
+        buckets = {case: result[case]["measured"]["reduce_buckets"] for case in ("1", "2", "2+nooverlap")}
+        assert buckets["2+nooverlap"] > 0 and buckets["1"] == buckets["2"] == 2 * buckets["2+nooverlap"], (rank, buckets)
 
 
 def test_auto_trains_default_recipe_with_a_mixed_plan(tmp_path):
@@ -161,81 +193,3 @@ def test_auto_trains_default_recipe_with_a_mixed_plan(tmp_path):
     measured = allocator_peak(model, ids)
     predicted_states = memory_plan["prediction"]["model_states"]["total"]
     assert predicted_peak - predicted_states == pytest.approx(measured, rel=0.02), (layers, memory_plan)
-
-
-_DS_BUCKETS = r"""
-import json, os, socket, sys, torch
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-import deepspeed
-from pathlib import Path
-from memtrain.memory.predict import LayerChoice, activation_peak, predict
-from memtrain.memory.profile import fake_model, mode_plan, profile_activations
-from memtrain.memory.rates import Rates, measure_rates
-from memtrain.memory.states import ModelStates, model_states
-from memtrain.memory.target import Target, make_target, model_and_config
-from memtrain.config.ds_config import load_ds_config, resolve_ds_config
-from memtrain.model.build import build_model
-from memtrain.config.recipe import load_recipe
-
-deepspeed.init_distributed(verbose=False)
-recipe = load_recipe(None, ["data.seq_len=32", "train.micro_batch_size=1"])
-config = model_and_config(recipe)
-ids = torch.randint(0, 257, (1, 32))
-out = []
-for case in sys.argv[2:]:
-    stage, overlap, bucket = case.split(",")
-    raw = load_ds_config(sys.argv[1])
-    raw.pop("tensorboard", None)
-    raw["zero_optimization"].update(stage=int(stage), overlap_comm=overlap == "1", reduce_bucket_size=int(bucket))
-    cfg = resolve_ds_config(raw, recipe, 1, Path("unused"), 0)
-    model = build_model(recipe.model, config)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    opt = engine.optimizer
-    seen = {"buckets": 0, "scratch": 0, "backward": False}
-    release = opt._release_ipg_buffers
-
-    def _release():  # what the backward's ipg buckets hold, just before DeepSpeed frees them
-        seen["buckets"] = max(seen["buckets"], sum(b.untyped_storage().nbytes() for bucket in opt.ipg_buckets.values()
-                                                   for b in bucket.buffer))
-        release()
-
-    flatten = opt.flatten
-
-    def _flatten(tensors):  # a copy the reduction makes (a one-tensor flatten is a view: nothing)
-        t = flatten(tensors)
-        if seen["backward"] and all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in tensors):
-            seen["scratch"] = max(seen["scratch"], t.untyped_storage().nbytes())
-        return t
-
-    opt._release_ipg_buffers, opt.flatten = _release, _flatten
-    loss = engine(input_ids=ids, labels=ids).loss
-    seen["backward"] = True
-    engine.backward(loss)
-    seen["backward"] = False
-    target = make_target(recipe, cfg, 1, "cpu")
-    states = model_states(profile_activations(config, target, ("keep",)), cfg, target)
-    out.append({"case": case, "buckets": seen["buckets"], "scratch": seen["scratch"],
-                "predicted_buckets": states.reduce_buckets, "predicted_scratch": states.reduce_scratch})
-    del engine, model, opt
-print(json.dumps(out))
-"""
-
-
-def test_zero12_reduce_buckets_match_deepspeed_on_cpu():
-    """Real ZeRO-1 (overlap_comm on) and ZeRO-2 (off) engines, world 1, fp32: the ipg bucket
-    tensors DeepSpeed holds in the backward (read just before it frees them) and the copies its
-    reduction flattens, against ModelStates.reduce_buckets / reduce_scratch."""
-    cases = ["1,1,200000", "2,0,200000"]
-    proc = subprocess.run([sys.executable, "-c", _DS_BUCKETS, str(ROOT / "ds_configs" / "zero2_ckpt.json"), *cases],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
-    assert_ok(proc)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert [r["case"] for r in result] == cases
-    for r in result:
-        assert r["buckets"] > 0 and r["predicted_buckets"] == r["buckets"], r
-        assert r["predicted_scratch"] == r["scratch"], r
-    assert result[0]["buckets"] == 2 * result[1]["buckets"]  # overlap_comm double-buffers

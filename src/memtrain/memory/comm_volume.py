@@ -16,13 +16,16 @@ Per micro-step (each of the gradient-accumulation steps) and per optimizer step,
   2 gloo ranks, gradient accumulation 2: one gradient's bytes per step under ZeRO-1, two under ZeRO-2).
   The all-gather moves the trained parameters only: frozen ones stay whole on every rank.
 * ZeRO-0: an all-reduce of the gradients once per step (at the accumulation boundary).
-* AutoTP: 2 all-reduces of (micro-batch x tokens x hidden) per layer forward (attention and MLP
-  outputs) and 2 in the backward (their inputs' gradients); a recomputed forward repeats those it
-  re-runs (full: 2, attn or mlp: 1). A sharded LM head gathers its logits in the forward and
+* AutoTP: 2 all-reduces of (micro-batch x tokens x hidden) per layer forward (the row-parallel o and
+  down projections' outputs) and 5 in the backward (the column-parallel q, k, v, gate and up
+  projections each all-reduce their input's gradient: DeepSpeed 0.19.8's LinearLayer, counted on 2 gloo
+  ranks); a recomputed forward repeats those it re-runs (full: 2, attn or mlp: 1). A sharded LM head
+  gathers its logits in the forward (an uneven vocabulary padded to tp x the largest rank's rows) and
   all-reduces its input's gradient in the backward.
 * Ulysses: per layer an all-to-all of q, k, v and the attention output in the forward and of their
   gradients in the backward; a recomputed attention (full, attn) repeats the forward's four.
-  K/V heads fewer than the SP degree are repeated up to it before the exchange.
+  K/V heads fewer than the SP degree are repeated up to it before the exchange. Each attention's forward
+  (a recomputed one again) all-gathers its int64 position ids over the group (DeepSpeed's UlyssesSPAttentionHF).
 
 `bytes` is the collective's tensor: an all-gather's output, a reduce-scatter's input, an all-reduce's
 buffer, an all-to-all's local buffer. What a rank sends over its link is `sent` (ring algorithms).
@@ -33,7 +36,9 @@ from dataclasses import dataclass
 
 MICRO, STEP = "micro", "step"  # per micro-step, once per optimizer step
 _RECOMPUTED_TP = {"full": 2, "attn": 1, "mlp": 1}  # forward all-reduces a recomputed unit runs again
+TP_FORWARD, TP_BACKWARD = 2, 5  # a Llama-like layer's row-parallel outputs; its column-parallel inputs' gradients
 _RECOMPUTED_SP = {"full": 4, "attn": 4}  # forward all-to-alls (q, k, v, out) a recomputed attention runs again
+POSITION_BYTES = 8  # Ulysses gathers each attention's int64 position ids over the SP group
 
 
 @dataclass(frozen=True)
@@ -126,10 +131,11 @@ def tp_collectives(shape: ModelShape, tokens: int, elem: int, modes: tuple[str, 
     if layout.tp <= 1:
         return []
     act = elem * tokens * shape.hidden
-    calls = 4 * shape.layers + sum(_RECOMPUTED_TP.get(m, 0) for m in modes)
+    calls = (TP_FORWARD + TP_BACKWARD) * shape.layers + sum(_RECOMPUTED_TP.get(m, 0) for m in modes)
     out = [Collective("all_reduce", "tp", act * calls, calls, MICRO, "TP layer all-reduces")]
-    if shape.sharded_head:
-        out += [Collective("all_gather", "tp", elem * tokens * shape.vocab, 1, MICRO, "TP LM-head logits gather"),
+    if shape.sharded_head:  # an uneven vocabulary is gathered padded to tp x the largest rank's rows
+        padded = -(-shape.vocab // layout.tp) * layout.tp
+        out += [Collective("all_gather", "tp", elem * tokens * padded, 1, MICRO, "TP LM-head logits gather"),
                 Collective("all_reduce", "tp", act, 1, MICRO, "TP LM-head input gradient")]
     return out
 
@@ -141,7 +147,10 @@ def sp_collectives(shape: ModelShape, tokens: int, elem: int, modes: tuple[str, 
     kv = max(shape.kv_heads, layout.sp)
     per_layer = elem * tokens * shape.head_dim * (2 * shape.heads + 2 * kv)  # q, out; k, v
     runs = 2 * shape.layers + sum(_RECOMPUTED_SP.get(m, 0) for m in modes) // 4
-    return [Collective("all_to_all", "sp", per_layer * runs, 4 * runs, MICRO, "Ulysses all-to-alls")]
+    forwards = shape.layers + sum(_RECOMPUTED_SP.get(m, 0) for m in modes) // 4
+    return [Collective("all_to_all", "sp", per_layer * runs, 4 * runs, MICRO, "Ulysses all-to-alls"),
+            Collective("all_gather", "sp", POSITION_BYTES * tokens * layout.sp * forwards, forwards, MICRO,
+                       "Ulysses position ids gather")]
 
 
 def step_collectives(shape: ModelShape, stage: int, elem: int, layout: Layout, tokens: int, modes: tuple[str, ...],

@@ -138,8 +138,10 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     # ZeRO-0 (DeepSpeedEngine.allreduce_no_retain -> allreduce_bucket) flattens the gradients into one tensor of up
     # to 500,000,000 elements (MEMORY_OPT_ALLREDUCE_SIZE) per all-reduce, after the backward: measured on CPU in
     # fp32 (2 ranks, DeepSpeed 0.19.8). On a GPU the same code runs in fp32 and fp16; bf16 goes through DeepSpeed's
-    # BF16_Optimizer (its fp32 gradient buffers), not measured.
-    allreduce_copy = c * min(t, ALLREDUCE_ELEMENTS) if stage == 0 and world > 1 else 0
+    # BF16_Optimizer (its fp32 gradient buffers), not measured. The engine all-reduces (and copies) whenever the
+    # process group has more than one rank, one data-parallel rank under AutoTP included (measured: TP 2 on 2 ranks);
+    # a single process is not measured.
+    allreduce_copy = c * min(t, ALLREDUCE_ELEMENTS) if stage == 0 and target.world_size > 1 else 0
     host = 0
     if offload_opt:
         host, grads = offload_optimizer(profile, zero, stage, c, t, world, optimizer, grads)

@@ -3,6 +3,8 @@ terms, dropped configurations with their reasons, and the winner's written JSON 
 and whose memory is what `make plan` predicts for it. In-process, on the tiny recipe: seconds."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -101,9 +103,10 @@ def test_collective_volumes_equal_a_hand_count():
 
     tp_shape = model_shape(config, profile, make_target(recipe, load_ds_config(DS), 4, device="cuda"), 0)
     tp = step_collectives(tp_shape, 3, 2, Layout(4, 8, tp=2), B * S, ("keep",) * L)
-    assert total(tp, "all_reduce", "tp") == 4 * L * B * S * H * 2  # 2 forward + 2 backward per layer
+    # 2 forward (o, down) + 5 backward (the input gradients of q, k, v, gate, up) per layer
+    assert total(tp, "all_reduce", "tp") == 7 * L * B * S * H * 2
     tp_full = step_collectives(tp_shape, 3, 2, Layout(4, 8, tp=2), B * S, ("full",) * L)
-    assert total(tp_full, "all_reduce", "tp") == 6 * L * B * S * H * 2  # + a recomputed forward's 2
+    assert total(tp_full, "all_reduce", "tp") == 9 * L * B * S * H * 2  # + a recomputed forward's 2
 
     heads, head_dim = 4, 32
     sp = step_collectives(shape, 3, 2, Layout(4, 8, sp=2), B * S // 2, ("keep",) * L)
@@ -111,6 +114,12 @@ def test_collective_volumes_equal_a_hand_count():
     assert total(sp, "all_to_all", "sp") == 2 * L * qkvo  # forward and backward
     sp_full = step_collectives(shape, 3, 2, Layout(4, 8, sp=2), B * S // 2, ("full",) * L)
     assert total(sp_full, "all_to_all", "sp") == 3 * L * qkvo
+    # each attention's forward gathers the whole sequence's int64 position ids (a recomputed one again)
+    assert total(sp, "all_gather", "sp") == L * B * S * 8 and total(sp_full, "all_gather", "sp") == 2 * L * B * S * 8
+    # an untied LM head sharded over TP 2 gathers its logits padded to 2 x the larger rank's rows (257 -> 258)
+    head = dataclasses.replace(tp_shape, vocab=257, sharded_head=True)
+    assert total(step_collectives(head, 3, 2, Layout(4, 8, tp=2), B * S, ("keep",) * L), "all_gather", "tp") == \
+        B * S * 258 * 2
 
 
 def test_step_time_terms_by_hand(tmp_path):
