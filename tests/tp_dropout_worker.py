@@ -12,8 +12,9 @@ OUT/rank<R>.json; the test compares the ranks and the references.
               gradients against no recompute, same seed (a recompute must draw the masks its forward drew)
   trainer     src/train.py's train() on tiny OPT (dropout 0.1, attention_dropout 0.1), ds_configs/zero3_tp2_ckpt.json,
               3 steps, a model checkpoint after each: each rank's loss of each step (engine.backward recorded)
-`python tp_dropout_worker.py OUT resume RUN_DIR`: the trainer only, --resume RUN_DIR (cut back to step 1 by the
-test), the same recording.
+  resumed     then the trainer again, --resume on a copy of that run cut back to step 1 (tests/conftest.py's
+              cut_back, made by rank 0), the same recording
+`python tp_dropout_worker.py OUT resume RUN_DIR`: the trainer only, --resume RUN_DIR, the same recording.
 """
 from __future__ import annotations
 
@@ -196,7 +197,7 @@ def check_masks_and_recompute() -> None:
     engine.destroy()
 
 
-def run_trainer(run_dir: str, resume: bool) -> None:
+def run_trainer(run_dir: str, resume: bool, key: str = "trainer") -> None:
     """The real trainer; engine.backward records each rank's loss of each micro-step (a test's own wrapper)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -222,8 +223,27 @@ def run_trainer(run_dir: str, resume: bool) -> None:
         summary = train(parse_args(argv + (["--resume"] if resume else [])))
     finally:
         DeepSpeedEngine.backward = backward
-    results["trainer"] = {"losses": losses, "forks": forks[0] if forks else None, "status": summary["status"],
+    results[key] = {"losses": losses, "forks": forks[0] if forks else None, "status": summary["status"],
                           "final_loss": summary["final_loss"]}
+
+
+def cut_back_to_step1(run_dir: str, copy: str) -> str:
+    """Rank 0 copies the finished run as if stopped after step 1; the other rank waits for its `.ready` file (the
+    trainer closed the process group)."""
+    import time
+    from pathlib import Path
+
+    ready = Path(copy + ".ready")
+    if os.environ["RANK"] == "0":
+        from conftest import cut_back
+
+        cut_back(Path(run_dir), Path(copy), 1)
+        ready.touch()
+    deadline = time.time() + 300
+    while not ready.exists():
+        assert time.time() < deadline, "rank 0 never cut the run back"
+        time.sleep(0.1)
+    return copy
 
 
 def main() -> None:
@@ -245,6 +265,10 @@ def main() -> None:
         check_masks_and_recompute()
         write()
         run_trainer(os.path.join(out, "run"), resume=False)
+        write()
+        resumed = cut_back_to_step1(os.path.join(out, "run"), os.path.join(out, "resumed"))
+        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)  # a fresh rendezvous for the next run
+        run_trainer(resumed, resume=True, key="resumed")
     else:
         run_trainer(args[2], resume=True)
     write()

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from conftest import FAST, ROOT, assert_ok, run_train
+from conftest import FAST, ROOT, assert_ok
 from memtrain.recompute.policy import layer_modes
+from trainer_runs import run_in_one_launch
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -16,17 +17,16 @@ ZERO3_RUNS = {"sqrt": []}
 
 @pytest.fixture(scope="module")
 def zero3_runs(tmp_path_factory):
-    """Policies under ZeRO-3 with 2 CPU ranks through the deepspeed launcher: 3 steps each."""
-    runs = {}
-    for name, extra in {"none": [], **ZERO3_RUNS}.items():
-        run_dir = tmp_path_factory.mktemp("zero3") / "run"
-        policy = name.split(",")[0]
-        proc = run_train(["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--run-dir", str(run_dir),
-                          *FAST, "--max-steps", "3", "--set", f"activation_checkpointing.policy={policy}", *extra],
-                         nproc=2)
-        assert_ok(proc)
-        runs[name] = (run_dir, proc)
-    return runs
+    """Policies under ZeRO-3 with 2 CPU ranks through the deepspeed launcher: 6 steps each, all in one launch
+    (tests/trainer_runs.py), each with its slice of the launch's output."""
+    names = {"none": [], **ZERO3_RUNS}
+    run_dirs = [tmp_path_factory.mktemp("zero3") / "run" for _ in names]
+    steps = [{"argv": ["--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"), "--run-dir", str(run_dir), *FAST,
+                       "--max-steps", "6", "--set", f"activation_checkpointing.policy={name.split(',')[0]}", *extra]}
+             for run_dir, (name, extra) in zip(run_dirs, names.items())]
+    procs = run_in_one_launch(steps, tmp_path_factory.mktemp("runs") / "runs.json")
+    assert_ok(procs[-1])
+    return {name: (run_dir, proc) for name, run_dir, proc in zip(names, run_dirs, procs)}
 
 
 @pytest.mark.parametrize("name", ZERO3_RUNS)
@@ -48,6 +48,27 @@ def test_policies_under_zero3_match_no_recompute(zero3_runs, name):
     assert f"AC plan: policy '{policy}'" in proc.stdout
     loss = [v for _, v in read_scalars(run_dir / "tb")["train/loss"]]
     ref = [v for _, v in read_scalars(zero3_runs["none"][0] / "tb")["train/loss"]]
-    assert len(loss) == 3 and loss == pytest.approx(ref, rel=2e-3, abs=2e-3)  # same gradients, same updates
+    assert len(loss) == 6 and loss == pytest.approx(ref, rel=2e-3, abs=2e-3)  # same gradients, same updates
     act, act_none = (summary(r)["metrics"]["memory/activation_gib"] for r in (name, "none"))
     assert act < act_none
+
+
+def test_zero3_two_ranks_with_cpu_checkpointing(zero3_runs):
+    """memtrain's offload of checkpointed activations on the real ZeRO-3 path (the sqrt run above: the real launcher,
+    2 CPU ranks, the default JSON, cpu_checkpointing and partition_activations on, with DeepSpeed's reentrant
+    checkpoint): on a CPU run both keys are no-ops, each says why in the plan, and nothing is copied. (The offload's
+    scheduling, in process: tests/launch/test_offload.py.)"""
+    from memtrain.tools.tb import read_scalars
+
+    run_dir, proc = zero3_runs["sqrt"]
+    ac = json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text())["activation_checkpointing"]
+    assert ac["cpu_checkpointing"] is True and ac["partition_activations"] is True
+    assert "cpu_checkpointing: a CPU run's activations are already in host memory: no copies, no cost" in proc.stdout
+    assert "partition_activations: nothing to shard: no tensor-parallel group" in proc.stdout
+    assert "with deepspeed.checkpointing.checkpoint (reentrant)" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["ac_plan"]["offload"] == [False] * 4
+    scalars = read_scalars(run_dir / "tb")
+    assert "memory/offloaded_activation_gib" not in scalars  # logged only when memtrain offloads
+    loss = [v for _, v in scalars["train/loss"]]
+    assert len(loss) == 6 and loss[-1] < loss[0]

@@ -3,7 +3,7 @@ axolotl's, DeepSpeedExamples', LLaVA's, InternVL's styles): each one either trai
 with one line naming the key before any worker starts. Nothing is left to a traceback.
 
 Every file goes through the full preflight in this process (cheap: no launcher). Trained through
-the real launcher on 2 CPU ranks (a launch costs ~30 s here, so only these):
+the real launcher on 2 CPU ranks, the three runs in one launch (a launch costs ~30 s here, so only these):
 - noopt_zero3_ac.json and auto_everywhere_ac.json: the same job without and with optimizer/scheduler
   sections. memtrain's own AdamW + schedule must give DeepSpeed's own AdamW + WarmupCosineLR losses.
 - accelerate_zero2_noopt.json: ZeRO-2 without an optimizer ("zero stage 2 requires an optimizer").
@@ -18,10 +18,11 @@ import json
 import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
 import pytest
 
-from conftest import FAST, ROOT, assert_ok, run_train
+from conftest import FAST, ROOT, assert_ok
 from memtrain.config.args import parse_args
 from memtrain.config.ds_config import auto_paths
 from memtrain.tools.tb import read_scalars
+from trainer_runs import run_in_one_launch
 
 CORPUS = ROOT / "tests" / "ds_corpus"
 STEPS = ["--max-steps", "3"]
@@ -29,16 +30,19 @@ STEPS = ["--max-steps", "3"]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    out = {}
-    for name in ("noopt_zero3_ac.json", "auto_everywhere_ac.json", "accelerate_zero2_noopt.json"):
+    """The three runs in one launch (tests/trainer_runs.py), each with its slice of the launch's output."""
+    names = ("noopt_zero3_ac.json", "auto_everywhere_ac.json", "accelerate_zero2_noopt.json")
+    run_dirs, steps = [], []
+    for name in names:
         run_dir = tmp_path_factory.mktemp(name.split(".")[0]) / "run"
         save = ["--set", "train.save_interval=2"] if name.startswith("noopt") else []  # step 2 for the export test
         # a larger lr than the default: the first warm-up update has lr 0, so the second must move the loss
         save += ["--set", "train.lr=0.03"] if name != "accelerate_zero2_noopt.json" else []
-        proc = run_train(["--deepspeed", str(CORPUS / name), "--run-dir", str(run_dir), *FAST, *STEPS, *save], nproc=2)
-        assert_ok(proc)
-        out[name] = (run_dir, proc)
-    return out
+        run_dirs.append(run_dir)
+        steps.append({"argv": ["--deepspeed", str(CORPUS / name), "--run-dir", str(run_dir), *FAST, *STEPS, *save]})
+    procs = run_in_one_launch(steps, tmp_path_factory.mktemp("runs") / "runs.json")
+    assert_ok(procs[-1])
+    return {name: (run_dir, proc) for name, run_dir, proc in zip(names, run_dirs, procs)}
 
 
 def _losses(run_dir):

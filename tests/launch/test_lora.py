@@ -1,5 +1,6 @@
 """model.lora end to end (memtrain.model.lora): a tiny Llama saved as a local pretrained directory, LoRA under
-ZeRO-3 + recompute on 2 CPU ranks with the real launcher. final/ holds the merged model and final/adapter the
+ZeRO-3 + recompute on 2 CPU ranks with the real launcher (one launch: the run, then a copy of it stopped after
+step 4 resumed; tests/trainer_runs.py). final/ holds the merged model and final/adapter the
 adapters in peft's format: the pretrained base plus that adapter, loaded by peft itself, gives the merged model's
 logits (so the base stayed frozen and the merge is right); a stopped run resumes to a straight run's losses.
 Gradients against a plain peft model: tests/launch/test_zero3_hooks.py."""
@@ -11,10 +12,11 @@ import pytest
 import torch
 
 from chatml import chatml_tokenizer
-from conftest import FAST, ROOT, assert_ok, cut_back, run_train
+from conftest import FAST, ROOT, assert_ok
 from memtrain.config.recipe import ModelSection
 from memtrain.model.build import build_config, build_model
 from memtrain.tools.tb import read_scalars
+from trainer_runs import run_in_one_launch
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 128}
@@ -43,11 +45,13 @@ def runs(tmp_path_factory):
             "--set", "train.trainable=[lm_head.weight]", "--set", f"data.paths=[{tmp / 'chat.jsonl'}]",
             "--set", "data.format=chat", "--set", f"data.tokenizer={tok}", "--set", f"data.cache_dir={tmp / 'cache'}",
             "--set", "train.save_interval=2", "--set", "train.lr=1e-2"]
-    straight = tmp / "straight"
-    first = run_train([*args, "--max-steps", "6", "--run-dir", str(straight)], nproc=2)
+    straight, stopped = tmp / "straight", tmp / "stopped"
+    # one launch: the straight run, a copy of it stopped after step 4 (conftest.cut_back), that copy resumed
+    first, resumed = run_in_one_launch([{"argv": [*args, "--max-steps", "6", "--run-dir", str(straight)]},
+                                        {"cut_back": [str(straight), str(stopped), 4]},
+                                        {"argv": [*args, "--max-steps", "6", "--run-dir", str(stopped), "--resume"]}],
+                                       tmp / "runs.json")
     assert_ok(first)
-    stopped = cut_back(straight, tmp / "stopped", 4)
-    resumed = run_train([*args, "--max-steps", "6", "--run-dir", str(stopped), "--resume"], nproc=2)
     assert_ok(resumed)
     return tmp, first, vocab
 

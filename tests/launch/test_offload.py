@@ -3,9 +3,9 @@
 In-process tests run the real scheduling code (slots, prefetch, pool) with two copy engines:
 the CPU one the trainer uses (plain copies), and `DeferredCopies`, which behaves like CUDA's
 side stream (copies run later, in order, only once waited for), so a missing wait or a buffer
-recycled too early shows up as wrong numbers. One launch checks the real ZeRO-3 path.
+recycled too early shows up as wrong numbers. The real ZeRO-3 path is checked on a launch of
+tests/launch/test_ac_policies.py (its sqrt run: the same default JSON, DeepSpeed's reentrant checkpoint).
 """
-import json
 import os
 import signal
 import subprocess
@@ -14,30 +14,7 @@ import time
 from pathlib import Path
 
 
-from conftest import FAST, ROOT, assert_ok, run_train, sitecustomize_env
-from memtrain.tools.tb import read_scalars
-
-
-def test_zero3_two_ranks_with_cpu_checkpointing(tmp_path):
-    """The real launcher, ZeRO-3, 2 CPU ranks, the default JSON (cpu_checkpointing and partition_activations
-    on) with DeepSpeed's reentrant checkpoint: on a CPU run both keys are no-ops, each says why in the plan,
-    and nothing is copied."""
-    ds_path = ROOT / "ds_configs" / "zero3_ckpt.json"
-    ac = json.loads(ds_path.read_text())["activation_checkpointing"]
-    assert ac["cpu_checkpointing"] is True and ac["partition_activations"] is True
-    run_dir = tmp_path / "run"
-    proc = run_train(["--deepspeed", str(ds_path), "--run-dir", str(run_dir), "--max-steps", "6", *FAST,
-                      "--set", "activation_checkpointing.backend=deepspeed"], nproc=2)
-    assert_ok(proc)
-    assert "cpu_checkpointing: a CPU run's activations are already in host memory: no copies, no cost" in proc.stdout
-    assert "partition_activations: nothing to shard: no tensor-parallel group" in proc.stdout
-    assert "with deepspeed.checkpointing.checkpoint (reentrant)" in proc.stdout
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["ac_plan"]["offload"] == [False] * 4
-    scalars = read_scalars(run_dir / "tb")
-    assert "memory/offloaded_activation_gib" not in scalars  # logged only when memtrain offloads
-    loss = [v for _, v in scalars["train/loss"]]
-    assert len(loss) == 6 and loss[-1] < loss[0]
+from conftest import ROOT, sitecustomize_env
 
 
 # --------------------------------------------------------------------------- the benchmark's pieces

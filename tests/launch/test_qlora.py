@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import EVAL_PATHS, FAST, ROOT, assert_ok, cut_back, run_train
+from conftest import EVAL_PATHS, FAST, ROOT, assert_ok
 from memtrain.config.recipe import ModelSection
 from memtrain.errors import UserError
 from memtrain.model.build import build_config, build_model
+from trainer_runs import run_in_one_launch
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -63,9 +64,11 @@ def test_a_zero3_run_writes_an_adapter_for_the_unquantized_base_and_resumes(base
             f"model.pretrained={base / 'base'}", "--set", "model.config={}", "--set", "model.lora.r=4",
             "--set", "model.quantization.bits=4", "--set", "train.lr=1e-2", "--set", "train.save_interval=2",
             "--set", EVAL_PATHS, "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--max-steps", "4"]
-    assert_ok(run_train([*args, "--run-dir", str(run)]))
-    stopped = cut_back(run, base / "stopped", 2)
-    assert_ok(run_train([*args, "--run-dir", str(stopped), "--resume"]))
+    stopped = base / "stopped"
+    # one process: the run, a copy of it stopped after step 2 (conftest.cut_back), that copy resumed
+    for proc in run_in_one_launch([{"argv": [*args, "--run-dir", str(run)]}, {"cut_back": [str(run), str(stopped), 2]},
+                                   {"argv": [*args, "--run-dir", str(stopped), "--resume"]}], base / "runs.json", nproc=0):
+        assert_ok(proc)
     straight, resumed = (dict(read_scalars(d / "tb")["train/loss"]) for d in (run, stopped))
     assert [resumed[3], resumed[4]] == [straight[3], straight[4]]
     from memtrain.tools.export import export

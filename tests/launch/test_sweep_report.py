@@ -9,7 +9,7 @@ import time
 import pytest
 import yaml
 
-from conftest import ROOT, _env
+from conftest import ROOT
 
 DS = str(ROOT / "ds_configs" / "zero3_ckpt.json")
 
@@ -20,20 +20,25 @@ def _sweep_file(tmp_path, grid, set_=None, name="s"):
     return path
 
 
-def test_report_of_a_sweep_that_never_ran_is_one_line(tmp_path, monkeypatch):
+def test_report_of_a_sweep_that_never_ran_is_one_line(tmp_path, monkeypatch, capsys):
+    """`python -m memtrain report`'s entry point, called in this process (the command starts nothing)."""
+    from memtrain.__main__ import main
+
     monkeypatch.chdir(tmp_path)
     path = _sweep_file(tmp_path, {"train.micro_batch_size": [2, 4]})
-    proc = subprocess.run([sys.executable, "-m", "memtrain", "report", str(path)], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        main(["report", str(path)])
+    err = capsys.readouterr().err
+    assert (stopped.value.code, err.strip().splitlines()) == (2, [
         f"memtrain: error: {path}: no point of sweep 's' has run (runs/s holds none of its 2 points); run them first: "
-        f"make sweep SWEEP={path}"]), proc.stderr
+        f"make sweep SWEEP={path}"]), err
     assert not (tmp_path / "reports").exists()
 
 
-def test_two_point_sweep_end_to_end_with_one_failure(tmp_path):
+def test_two_point_sweep_end_to_end_with_one_failure(tmp_path, monkeypatch):
     """Real launcher (make train's: memtrain.train.launch), 2 CPU ranks per point; the second point's policy is
-    rejected by the trainer."""
+    rejected by the trainer. The report of it: `python -m memtrain report`'s entry point, in this process."""
     fast = {"data.seq_len": 32, "data.max_bytes": 200000, "data.cache_dir": str(ROOT / ".cache" / "memtrain"),
             "train.micro_batch_size": 2, "train.max_steps": 4, "train.metric_warmup_steps": 1}
     path = _sweep_file(tmp_path, {"activation_checkpointing.policy": ["full", "bogus"]}, set_=fast, name="e2e")
@@ -66,8 +71,10 @@ def test_two_point_sweep_end_to_end_with_one_failure(tmp_path):
     assert again.returncode == 0 and "2 already finished, 0 to run" in again.stdout, again.stdout
     assert time.time() - started < 30
 
-    rep = run("memtrain.tools.report", str(path), "--budget", "1GiB")
-    assert rep.returncode == 0, rep.stderr[-3000:]
+    from memtrain.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["report", str(path), "--budget", "1GiB"])  # returns: no SystemExit
     rows = list(csv.DictReader(open(tmp_path / "reports/e2e/summary.csv")))
     assert [(r["policy"], r["status"]) for r in rows] == [("full", "completed"), ("bogus", "failed")]
     ok, bad = rows

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, launch_cmd, run_launch
+from conftest import ROOT
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.model.build import build_config, build_model
 from memtrain.model.data import prepare_data, save_tokenizer
 from chatml import TEMPLATE
+from trainer_runs import run_in_one_launch
 
 SEQ = 256
 LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -74,10 +75,7 @@ def _argv(tmp, data, name, micro, accum, extra):
 
 def _worker(tmp, data, cases, nproc):
     runs = [{"argv": _argv(tmp, data, name, *case), "grads": str(tmp / f"{name}.pt")} for name, case in cases.items()]
-    spec = tmp / f"runs-{nproc}.json"
-    spec.write_text(json.dumps(runs))
-    worker = str(ROOT / "tests" / "token_loss_worker.py")
-    proc = run_launch(launch_cmd(worker, [str(spec)], 0 if nproc == 1 else nproc), timeout=300)
+    proc = run_in_one_launch(runs, tmp / f"runs-{nproc}.json", 0 if nproc == 1 else nproc, timeout=300)[-1]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -165,22 +165,43 @@ def test_a_corpus_larger_than_the_memory_left_to_the_build_builds_and_trains(tmp
     assert len(losses) == 3 and all(0 < float(x) < 10 for x in losses), losses
 
 
+SLOW_PACKING = """
+import time
+import memtrain.model.token_store as store
+write_store = store.write_store
+def slow(*args, **kwargs):
+    time.sleep(20)  # a corpus that takes longer to tokenize than the run's collective timeout
+    return write_store(*args, **kwargs)
+store.write_store = slow
+"""
+
+
 def test_a_run_builds_its_store_with_worker_processes_and_trains_on_the_split(tmp_path):
     """2 ranks under the real launcher: the store (3 chunks, 2 worker processes forked from the rank that builds, which
     inherit the run's stop-signal handlers) is built before the ranks meet, and the run trains on the train split.
     (A worker that fails, or keeps the run's handler that records SIGTERM, hangs the rank: seen with the initializer
-    left out.)"""
-    from conftest import FAST, assert_ok, run_train
+    left out.)
+
+    The same run is the cluster check of packing longer than the collective timeout: packing happens before the ranks
+    meet (they wait on the cache's file lock), so a packing that outlasts train.collective_timeout_s (8 s here, a
+    margin for ranks that start seconds apart on shared cores; 20 s of packing, slowed in a sitecustomize) still
+    trains. When one rank packed while the others waited in an all-gather, this run died of the timeout."""
+    from conftest import FAST, assert_ok, run_train, sitecustomize_env
 
     write_corpus(tmp_path / "corpus.jsonl", 10_000_000)
     run = tmp_path / "run"
-    proc = run_train([*FAST, "--set", f"data.paths=[{tmp_path}/corpus.jsonl]", "--set", "data.max_bytes=null",
+    env = sitecustomize_env(tmp_path / "site", SLOW_PACKING)
+    proc = run_train([*FAST, "--deepspeed", str(ROOT / "ds_configs" / "zero3_ckpt.json"),
+                      "--set", f"data.paths=[{tmp_path}/corpus.jsonl]", "--set", "data.max_bytes=null",
                       "--set", "data.workers=2", "--set", "data.eval_fraction=0.1", "--set",
                       f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.save_checkpoints=false",
-                      "--max-steps", "2", "--run-dir", str(run)], nproc=2, timeout=300)
+                      "--set", "train.collective_timeout_s=8", "--max-steps", "2", "--run-dir", str(run)],
+                     nproc=2, timeout=300, env=env)
     assert_ok(proc)
     (manifest,) = (tmp_path / "cache").glob("store-*/manifest.json")
     assert json.loads(manifest.read_text())["workers"] == 2
+    stores = [p for p in (tmp_path / "cache").glob("store-*") if p.is_dir()]
+    assert len(stores) == 1 and not list((tmp_path / "cache").glob("*.tmp*"))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed"
     # the held-out documents are evaluated at the end: 8 global batches (micro-batch 4 x 2 ranks) of 63 labels a row

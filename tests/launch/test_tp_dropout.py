@@ -1,8 +1,8 @@
 """Dropout under AutoTP (memtrain.train.rng): the ranks of a tensor-parallel group draw the same masks on replicated
 activations and their own masks on their shards of the attention heads, through recompute and resume.
 
-Two launches of the real `deepspeed` launcher with 2 gloo ranks (tests/tp_dropout_worker.py): every check and a
-3-step trainer run, then the trainer resumed from that run's step-1 model checkpoint. References are independent
+One launch of the real `deepspeed` launcher with 2 gloo ranks (tests/tp_dropout_worker.py): every check, a 3-step
+trainer run, then the trainer resumed from that run's step-1 model checkpoint. References are independent
 of the code under test: a plain single-process copy of the weights seeded with torch.manual_seed, no-recompute
 gradients, the other rank's numbers. One line for what cannot be placed is checked in-process (the preflight).
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cut_back, launch_cmd, run_launch
+from conftest import ROOT, launch_cmd, run_launch
 from memtrain.train.checkpoint import tag_for
 
 
@@ -23,13 +23,11 @@ def _launch(out: Path, *args: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory):
+    """One launch: the checks, the trainer's 3 steps, then a copy of that run cut back to step 1 resumed."""
     out = tmp_path_factory.mktemp("tp_dropout")
     ranks = _launch(out, "all")
-    resumed_dir = cut_back(out / "run", out / "resumed", 1)
-    resumed_out = out / "resume-out"
-    resumed_out.mkdir()
-    shards = sorted(p.name for p in (resumed_dir / "checkpoints" / tag_for(1)).glob("zero_pp_rank_*"))
-    return ranks, _launch(resumed_out, "resume", str(resumed_dir)), shards
+    shards = sorted(p.name for p in (out / "run" / "checkpoints" / tag_for(1)).glob("zero_pp_rank_*"))
+    return ranks, [{"trainer": r["resumed"]} for r in ranks], shards
 
 
 def test_tp_group_draws_one_models_residual_masks(tp):
