@@ -18,11 +18,18 @@ FAST = ["--set", "data.seq_len=64", "--set", "train.micro_batch_size=4", "--set"
         "--set", "train.log_every=1"]  # one TensorBoard point per step
 
 
+# make train's launcher: on a machine without a GPU it starts the CPU ranks itself, as DeepSpeed's launch.py does
+# (tests/launch/test_local_launch.py), without the runner's and launch.py's imports (about 5 CPU-s a launch). For a
+# launch whose claim is about the run, not about DeepSpeed's runner.
+MAKE_TRAIN_LAUNCHER = (sys.executable, "-m", "memtrain.train.launch")
+
+
 def run_train(args: list[str], nproc: int = 0, timeout: int = 600, cwd: Path = ROOT,
-              env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    """nproc=0: `python src/train.py`; nproc>=1: the real `deepspeed` launcher with nproc CPU ranks. On a
-    time-out every process of the launch is killed (tests/launching.py)."""
-    return run_launch(launch_cmd(TRAIN, args, nproc), timeout=timeout, cwd=cwd, env=env)
+              env: Optional[dict] = None, launcher=None) -> subprocess.CompletedProcess:
+    """nproc=0: `python src/train.py`; nproc>=1: the real `deepspeed` launcher with nproc CPU ranks (`launcher`:
+    another launcher's words, e.g. MAKE_TRAIN_LAUNCHER). On a time-out every process of the launch is killed
+    (tests/launching.py)."""
+    return run_launch(launch_cmd(TRAIN, args, nproc, launcher), timeout=timeout, cwd=cwd, env=env)
 
 
 # held-out data for eval tests: the standard library's json package (the default training corpus reads the top level)

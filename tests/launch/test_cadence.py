@@ -1,6 +1,7 @@
 """The step loop syncs with the host only at boundaries: every train.log_every steps (default: the
 JSON's steps_per_print, else 10), the end of the metric warm-up, saves and the last step. The per-step run also
-shows that WORLD_SIZE left in the environment without a launcher trains one process."""
+shows that WORLD_SIZE left in the environment without a launcher trains one process; the default-cadence run, that
+a train.stop_deadline_s too short for a stop warns once (the step time it needs is measured at these boundaries)."""
 import json
 
 import pytest
@@ -29,8 +30,9 @@ def per_step(per_step_run):
 
 
 @pytest.fixture(scope="module")
-def every4(tmp_path_factory):
-    """One run for both tests: no train.log_every, the JSON's steps_per_print 4 (the default cadence)."""
+def every4_run(tmp_path_factory):
+    """One run for three tests: no train.log_every, the JSON's steps_per_print 4 (the default cadence); a stop
+    deadline of 1 ms (test_stop_deadline_warns_once_when_stopping_would_outlast_it)."""
     tmp = tmp_path_factory.mktemp("every4")
     ds = json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text())
     ds["steps_per_print"] = 4
@@ -38,8 +40,14 @@ def every4(tmp_path_factory):
     i = BASE.index("train.log_every=1")
     args = BASE[:i - 1] + BASE[i + 1:]  # without FAST's --set train.log_every=1
     args[args.index("--deepspeed") + 1] = str(tmp / "ds.json")
-    assert_ok(run_train([*args, "--run-dir", str(tmp / "run")]))
-    return tmp / "run"
+    proc = run_train([*args, "--set", "train.stop_deadline_s=0.001", "--run-dir", str(tmp / "run")])
+    assert_ok(proc)
+    return tmp / "run", proc
+
+
+@pytest.fixture(scope="module")
+def every4(every4_run):
+    return every4_run[0]
 
 
 def test_boundaries_and_interval_means(every4, per_step):
@@ -70,3 +78,13 @@ def test_a_world_size_left_in_the_environment_trains_one_process(per_step_run):
         "warning: WORLD_SIZE=2 is set in the environment, but no launcher started this process (no RANK): it trains "
         "as one process (start it with deepspeed or torchrun for more ranks, or unset WORLD_SIZE)"]
     assert json.loads((run_dir / "config.json").read_text())["world_size"] == 1
+
+
+def test_stop_deadline_warns_once_when_stopping_would_outlast_it(every4_run):
+    """train.stop_deadline_s (slurm/train.sbatch passes its --signal lead): measured step time x 2 (+ a save) above
+    it is one warning, once. A deadline far above it is quiet: the runs of
+    tests/launch/test_faults.py::test_kill_during_save_then_resume_from_previous_good_checkpoint."""
+    proc = every4_run[1]
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: a stop signal may arrive")]
+    assert len(warnings) == 1, proc.stdout[-2000:]
+    assert "0.001 s before the job is killed (train.stop_deadline_s), but stopping takes up to 2 steps" in warnings[0]

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 
 from conftest import _env, all_finite, kill_in_save_env, poison_after_step_env, FAST, ROOT, assert_ok, run_train
 from memtrain.train.checkpoint import tag_for
@@ -23,19 +24,33 @@ def _losses_per_file(tb_dir):
     return list(out.values())
 
 
-def test_kill_during_save_then_resume_from_previous_good_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """A 6-step run SIGKILLed as it renames step 4's model checkpoint into place, then resumed to its end: (run
+    directory, the killed run, what the run directory held between the two runs, the resumed run). The finished run
+    is also test_a_full_disk_is_one_line_and_loses_nothing's run to resume (copied: this one stays as it is)."""
+    tmp_path = tmp_path_factory.mktemp("killed")
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
-    # a stop deadline far above two steps and a save: both runs stay quiet (test_stop_deadline_warns_once...)
+    # a stop deadline far above two steps and a save: both runs stay quiet (tests/launch/test_cadence.py
+    # test_stop_deadline_warns_once...: a deadline too short warns)
     args = [*FAST, "--max-steps", "6", "--set", "train.save_interval=2", "--set", "train.stop_deadline_s=3600",
             "--run-dir", str(run)]
     env = kill_in_save_env(tmp_path, 4)  # SIGKILL after step 4's shards are written, as they are renamed
     killed = run_train(args, env=env)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert (checkpoints / f".tmp-{tag_for(4)}").is_dir() and not (checkpoints / tag_for(4)).exists()
-    assert (checkpoints / "latest").read_text() == tag_for(2)  # never points at the partial save
-
+    between = {"partial": (checkpoints / f".tmp-{tag_for(4)}").is_dir(), "step 4": (checkpoints / tag_for(4)).exists(),
+               "latest": (checkpoints / "latest").read_text() if (checkpoints / "latest").is_file() else None}
     resumed = run_train([*args, "--resume"])
+    return run, killed, between, resumed
+
+
+def test_kill_during_save_then_resume_from_previous_good_checkpoint(killed_and_resumed):
+    run, killed, between, resumed = killed_and_resumed
+    checkpoints = run / "checkpoints"
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert between["partial"] and not between["step 4"]
+    assert between["latest"] == tag_for(2)  # never points at the partial save
+
     assert_ok(resumed)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6
@@ -115,25 +130,29 @@ def test_out_of_memory_advice_uses_the_limit_that_binds(tmp_path):
     assert "memory_budget=6.0" in line or "> 6.0 GiB" in line, line  # the planner's advice, for that limit
 
 
-def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_disk):
-    """On a real 64 MiB tmpfs: a run saves steps 1 and 2. With less free space than one checkpoint: --resume says
-    so in one line before any worker starts, leaving the run as it was; a new run's first save is refused before
-    anything is written (one line, no partial save, summary.json failed)."""
+def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_disk, killed_and_resumed):
+    """On a real 64 MiB tmpfs: a finished run with model checkpoints at steps 4 and 6 (killed_and_resumed's, copied).
+    With less free space than one checkpoint: --resume says so in one line before any worker starts, leaving the run
+    as it was; a new run's first save is refused before anything is written (one line, no partial save, summary.json
+    failed)."""
+    import shutil
+
     from conftest import fill
 
     disk = small_disk(64)
     run = disk / "run"
     args = [*FAST, "--set", "train.save_interval=1"]
-    assert_ok(run_train([*args, "--max-steps", "2", "--run-dir", str(run)]))
-    size = sum(f.stat().st_size for f in (run / "checkpoints" / tag_for(2)).rglob("*") if f.is_file())
+    assert_ok(killed_and_resumed[3])
+    shutil.copytree(killed_and_resumed[0], run)
+    size = sum(f.stat().st_size for f in (run / "checkpoints" / tag_for(6)).rglob("*") if f.is_file())
     fill(disk, size // 2)
     before = {str(p): p.stat().st_mtime_ns for p in run.rglob("*")}
 
-    resumed = run_train([*args, "--max-steps", "4", "--run-dir", str(run), "--resume"])
+    resumed = run_train([*args, "--max-steps", "8", "--run-dir", str(run), "--resume"])
     assert resumed.returncode != 0 and "Traceback" not in resumed.stderr
     errors = [line for line in resumed.stderr.splitlines() if "memtrain: error:" in line]
     assert len(errors) == 1 and f"--resume: disk full: {run / 'checkpoints'} has" in errors[0], resumed.stderr[-2000:]
-    assert f"(the size of {tag_for(2)}, which stays intact); free space first" in errors[0]
+    assert f"(the size of {tag_for(6)}, which stays intact); free space first" in errors[0]
     assert {str(p): p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
     fresh = disk / "fresh"
@@ -147,14 +166,3 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_disk):
     summary = json.loads((fresh / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["reason"] == errors[0].split("memtrain: error: ", 1)[1]
 
-
-def test_stop_deadline_warns_once_when_stopping_would_outlast_it(tmp_path):
-    """train.stop_deadline_s (slurm/train.sbatch passes its --signal lead): measured step time x 2 (+ a save) above
-    it is one warning, once. A deadline far above it is quiet: the runs of
-    test_kill_during_save_then_resume_from_previous_good_checkpoint (one run fewer)."""
-    proc = run_train([*FAST, "--max-steps", "5", "--set", "train.stop_deadline_s=0.001", "--run-dir",
-                      str(tmp_path / "run")])
-    assert_ok(proc)
-    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: a stop signal may arrive")]
-    assert len(warnings) == 1, proc.stdout[-2000:]
-    assert "0.001 s before the job is killed (train.stop_deadline_s), but stopping takes up to 2 steps" in warnings[0]

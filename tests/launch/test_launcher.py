@@ -1,9 +1,10 @@
-"""The default job through the real `deepspeed` launcher: 2 CPU ranks (gloo), ZeRO-3."""
+"""The default job through the real `deepspeed` launcher: 2 CPU ranks (gloo), ZeRO-3; the same job without AC through
+make train's launcher (memtrain.train.launch, which starts the CPU ranks itself)."""
 import json
 
 import pytest
 
-from conftest import ROOT, assert_ok, run_train
+from conftest import MAKE_TRAIN_LAUNCHER, ROOT, assert_ok, run_train
 from memtrain.tools.tb import read_scalars
 
 CONTRACT_TAGS = {
@@ -17,9 +18,10 @@ CONTRACT_TAGS = {
 def runs(tmp_path_factory):
     """The default `make train` job with AC on, and the same job with ZeRO-3 and no AC."""
     out = {}
-    for name, ds in [("ac", "zero3_ckpt.json"), ("noac", "zero3_noac.json")]:
+    for name, ds, launcher in [("ac", "zero3_ckpt.json", None), ("noac", "zero3_noac.json", MAKE_TRAIN_LAUNCHER)]:
         run_dir = tmp_path_factory.mktemp(name) / "run"
-        proc = run_train(["--deepspeed", str(ROOT / "ds_configs" / ds), "--run-dir", str(run_dir)], nproc=2)
+        proc = run_train(["--deepspeed", str(ROOT / "ds_configs" / ds), "--run-dir", str(run_dir)], nproc=2,
+                         launcher=launcher)
         assert_ok(proc)
         out[name] = (run_dir, proc)
     return out

@@ -1,6 +1,7 @@
 """A run resumed on another world size (through DeepSpeed's universal checkpoint) continues as a straight run: 2 CPU
-ranks -> 1 and 1 -> 2, real launcher, against the TensorBoard losses and learning rates of an uninterrupted 2-rank run;
-on another batch, against a plain forward of the checkpoint's weights on the samples that come next.
+ranks -> 1 and 1 -> 2 (make train's launcher starts the 2 ranks), against the TensorBoard losses and learning rates
+of an uninterrupted 2-rank run; on another batch, against a plain forward of the checkpoint's weights on the samples
+that come next.
 
 The resume keeps the global batch (train.grad_accum_steps scaled), so the next steps read the samples the straight
 run read (memtrain.model.order). Observed equal to the last bit on CPU float32 (two micro-batches summed in one
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EVAL_PATHS, FAST, ROOT, assert_ok, run_train
+from conftest import EVAL_PATHS, FAST, MAKE_TRAIN_LAUNCHER, ROOT, assert_ok, run_train
 from memtrain.config.args import parse_args
 from memtrain.errors import UserError
 from memtrain.tools.tb import read_scalars
@@ -51,12 +52,12 @@ def _line(stdout: str, start: str) -> str:
 
 def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
     whole = tmp_path / "whole"
-    assert_ok(run_train([*ARGS, "--run-dir", str(whole)], nproc=2))
+    assert_ok(run_train([*ARGS, "--run-dir", str(whole)], nproc=2, launcher=MAKE_TRAIN_LAUNCHER))
     straight = read_scalars(whole / "tb")
 
     # 2 ranks -> 1 at step 3: converted by rank 0, grad accumulation doubled to keep the global batch
     down = _copy_at(whole, tmp_path / "down", 3)
-    resumed = run_train(["--run-dir", str(down), "--resume"], nproc=1)
+    resumed = run_train(["--run-dir", str(down), "--resume"])  # one process: the launcher adds nothing to 1 rank
     assert_ok(resumed)
     assert _line(resumed.stdout, "resume overrides:") == (
         "resume overrides: recipe: train.grad_accum_steps 1 -> 2 (keeps the global batch on 1 ranks instead of 2; "
@@ -82,8 +83,9 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
 
     # 2 ranks -> 1 at step 3 with another batch (grad_accum 1: 4 samples a step): step 4 reads the samples after the
     # 24 read, [24, 28); measured against the step-3 weights' loss on those rows, computed here (without the shift
-    # it would read [12, 16), the rows of step 4 of a straight 4-a-step run)
-    other = _copy_at(whole, tmp_path / "other-batch", 3)
+    # it would read [12, 16), the rows of step 4 of a straight 4-a-step run). A copy of `down`'s step 3: the same
+    # checkpoint, with the universal copy the first resume made (its conversion reused, not made again)
+    other = _copy_at(down, tmp_path / "other-batch", 3)
     resumed = run_train(["--run-dir", str(other), "--resume", "--max-steps", "4", "--set", "train.grad_accum_steps=1"])
     assert_ok(resumed)
     assert _line(resumed.stdout, "resume data:") == (
@@ -97,7 +99,7 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
     up = _copy_at(down, tmp_path / "up", 6)
     preflight.main(["--world-size", "2", "--run-dir", str(up), "--resume"])
     assert (up / "checkpoints" / tag_for(6) / "universal" / reshard.RECORD).is_file()
-    resumed = run_train(["--run-dir", str(up), "--resume"], nproc=2)
+    resumed = run_train(["--run-dir", str(up), "--resume"], nproc=2, launcher=MAKE_TRAIN_LAUNCHER)
     assert_ok(resumed)
     assert "reusing the conversion made earlier (it took " in _line(resumed.stdout, "resume: ")
     assert "recipe: train.grad_accum_steps 2 -> 1 (keeps the global batch" in _line(resumed.stdout, "resume overrides:")

@@ -1,4 +1,5 @@
-"""A run stopped by a signal and resumed equals an uninterrupted run, bit for bit (2 CPU ranks, launcher).
+"""A run stopped by a signal and resumed equals an uninterrupted run, bit for bit (2 CPU ranks: DeepSpeed's runner
+starts the compiled runs; make train's launcher starts the eager runs whose claim is not about a launcher).
 
 Attention dropout is on, so every step draws from the torch RNG: a resume that did not restore the
 RNG streams would draw other masks and lose bit-equality from the first resumed step. The first test's layers are
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (EVAL_PATHS, FAST, TRAIN, ROOT, Launch, _env, _workers, assert_ok, eval_loss_by_hand,
-                      launch_cmd, processes, run_train)
+from conftest import (EVAL_PATHS, FAST, MAKE_TRAIN_LAUNCHER, TRAIN, ROOT, Launch, _env, _workers, assert_ok,
+                      eval_loss_by_hand, launch_cmd, processes, run_train)
 from memtrain.train.checkpoint import tag_for
 from memtrain.tools.tb import read_scalars
 
@@ -130,7 +131,7 @@ def test_stop_signal_on_one_rank_stops_all_within_two_steps_with_timed_saves_and
     args = [*FAST, "--set", "train.log_every=1000", "--run-dir", str(run)]
     timed = ["--set", "train.keep_last=100", "--set", "train.save_every_minutes=0.0001"]
     env = {**signal_after_step_env(tmp_path, 5, rank=1), "SLURM_JOB_ID": "4242"}
-    stopped = run_train([*args, *timed, "--max-steps", "12"], nproc=2, env=env)
+    stopped = run_train([*args, *timed, "--max-steps", "12"], nproc=2, env=env, launcher=MAKE_TRAIN_LAUNCHER)
     assert_ok(stopped)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGUSR1"
@@ -142,7 +143,7 @@ def test_stop_signal_on_one_rank_stops_all_within_two_steps_with_timed_saves_and
     assert len(steps) >= 3 and steps[-1] == 6, steps  # timed ones between, and the stop's
     for step in steps:
         assert damage(run / "checkpoints" / tag_for(step)) == [], step
-    resumed = run_train([*args, "--max-steps", "6", "--resume"], nproc=2)
+    resumed = run_train([*args, "--max-steps", "6", "--resume"], nproc=2, launcher=MAKE_TRAIN_LAUNCHER)
     assert_ok(resumed)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6

@@ -300,16 +300,20 @@ def test_resume_continues_with_the_runs_saved_inputs(finished, tmp_path):
 
 def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
     """A run trains in the directory; a second launch on it (--overwrite, --resume, or none) is one line naming the
-    holder, before anything is moved or written; once the first run ends, the directory is free again."""
+    holder, before anything is moved or written; once the first run ends, the directory is free again. The first run
+    is paused (SIGSTOP) once it has logged a step, so its steps take no CPU from the checks: it still holds the
+    directory."""
     run = _copy(finished, tmp_path)
     launch = Launch(launch_cmd(TRAIN, ["--run-dir", str(run), "--resume", "--max-steps", "100000",
                                        "--set", "train.save_interval=0"], nproc=0))
     first = launch.proc
     try:
         deadline = time.time() + 300
-        while not ((run / ".lock").is_file() and "pid" in (run / ".lock").read_text()):
+        while not ((run / ".lock").is_file() and "pid" in (run / ".lock").read_text()
+                   and len(list((run / "tb").glob("events.out.tfevents.*"))) == 2):  # its own: it has trained
             assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
             time.sleep(0.1)
+        first.send_signal(signal.SIGSTOP)
         holder = (run / ".lock").read_text()
         assert holder.startswith(f"pid {first.pid} on ")
         with pytest.raises(UserError, match="another run is using it"):  # the preflight: before any worker starts
@@ -323,6 +327,7 @@ def test_a_run_directory_in_use_by_another_run_is_refused(finished, tmp_path):
         assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[2, [line]]] * 3
         assert not (run / ".overwritten").exists() and len(list((run / "tb").glob("events.out.tfevents.*"))) == 2
     finally:
+        first.send_signal(signal.SIGCONT)
         first.send_signal(signal.SIGTERM)
         out, err = launch.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
