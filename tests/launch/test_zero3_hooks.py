@@ -4,10 +4,11 @@ import json
 import math
 
 import pytest
+import torch
 
 from conftest import ROOT, launch_cmd, run_launch
 from families import FAMILIES
-from zero3_worker import COMPILED, COMPOSED, OFFLOAD, STEPS_COMPILED
+from zero3_worker import COMPILED, COMPOSED, OFFLOAD, STEPS, STEPS_COMPILED
 
 STEADY = 2  # the coordinator records its trace in the first step, uses it from the second
 
@@ -18,8 +19,9 @@ def cases(tmp_path_factory):
     proc = run_launch(launch_cmd(ROOT / "tests" / "zero3_worker.py", [str(out)]), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for case, tensors in zip(ranks[0], torch.load(out / "grads0.pt"), strict=True):  # rank 0's gradients
+        case.update(tensors)
     cases = {(c["variant"], c["policy"], c["backend"]): (c, ranks[1][i]) for i, c in enumerate(ranks[0])}
-    cases["init"] = [json.loads((out / f"init{r}.json").read_text()) for r in range(2)]
     cases["families"] = [json.loads((out / f"families{r}.json").read_text()) for r in range(2)]
     cases["sp"] = json.loads((out / "sp0.json").read_text())
     return cases
@@ -56,7 +58,7 @@ def test_hooked_submodules_fetch_again_in_recompute(cases):
 def test_per_step_state_stays_flat(cases, key):
     for rank_case in cases[key]:
         steps = rank_case["steps"]
-        assert len(steps) == 10
+        assert len(steps) == STEPS > STEADY + 1
         assert len({s["fwd_module_stack"] for s in steps}) == 1, [s["fwd_module_stack"] for s in steps]
         assert all(s["trace_complete"] for s in steps[STEADY - 1:])  # complete from the second step on
 
@@ -67,7 +69,7 @@ def test_hooked_layers_get_deepspeeds_reentrant_checkpoint(cases):
     assert cases[("hooked", "full", "auto")][0]["plan_backend"] == "deepspeed"
     forced, _ = cases[("hooked", "full", "torch")]
     stack = [s["fwd_module_stack"] for s in forced["steps"]]
-    assert [b - a for a, b in zip(stack, stack[1:])] == [8] * 9
+    assert [b - a for a, b in zip(stack, stack[1:])] == [8] * (STEPS - 1)
 
 
 POLICIES = ("none", "full", "every:2", "sqrt", "selective:attn", "selective:mlp", "op", "modules")
@@ -80,7 +82,7 @@ def _grads(cases, variant, policy):
 
 def _max_diff(a, b):
     assert a.keys() == b.keys()
-    return max(max(abs(x - y) for x, y in zip(a[n], b[n])) for n in a)
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -188,20 +190,21 @@ def test_lora_gradients_equal_a_plain_peft_models(cases, key):
     reference = rank0["reference"]
     assert reference and set(rank0["grads"]) == set(reference)  # the adapters, and nothing else, have gradients
     assert _max_diff(rank0["grads"], reference) < 1e-5
-    assert max(abs(x) for g in reference.values() for x in g) > 1e-4  # lora_A gets none at B = 0; B does
+    assert max(float(g.abs().max()) for g in reference.values()) > 1e-4  # lora_A gets none at B = 0; B does
     assert rank0["frozen_changed"] == []
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_zero3_build_gets_the_models_own_init(cases, family):
-    """Built under zero.Init (2 ranks) and initialised on gathered parameters as transformers' ZeRO-3 path does,
-    also where the init indexes a weight (the padding row of Gemma's, Phi-3's, OLMo-2's embedding): each
-    parameter's std and mean match a plain build's (another draw of the same init), the padding row is zero,
-    and both ranks hold the same weights."""
-    stats = cases["init"][0][family]
-    assert stats == cases["init"][1][family]  # rank 0 initialised, every rank got it
-    for name, ((std, mean, pad), (plain_std, plain_mean, plain_pad)) in stats.items():
-        assert std == pytest.approx(plain_std, rel=0.15, abs=1e-6), name
+    """Built under zero.Init (2 ranks, the trainer's build_engine) and initialised on gathered parameters as
+    transformers' ZeRO-3 path does, also where the init indexes a weight (the padding row of Gemma's, Phi-3's,
+    OLMo-2's embedding): each parameter's std (within its sampling error) and mean match a plain build's (another
+    draw of the same init), the padding row is zero, and both ranks hold the same weights."""
+    stats = cases["families"][0][family]["init"]
+    assert stats == cases["families"][1][family]["init"]  # rank 0 initialised, every rank got it
+    for name, ((std, mean, pad), (plain_std, plain_mean, plain_pad), numel) in stats.items():
+        # two draws' stds differ by about 1 / sqrt(numel) of theirs (a 64-weight gate: 12%); 3 of that, or 15%
+        assert std == pytest.approx(plain_std, rel=max(0.15, 3 / math.sqrt(numel)), abs=1e-6), name
         assert mean == pytest.approx(plain_mean, abs=0.01), name
         assert pad == plain_pad, name  # None, or 0.0: the padding row zeroed
 
