@@ -61,13 +61,17 @@ def test_make_variables_with_spaces_stay_one_argument():
 
 def test_quick_exit_does_what_an_exit_does_but_the_teardown(tmp_path):
     """memtrain.quick_exit, as the end of a finished command: a thread that is not a daemon finishes its work, atexit
-    handlers run, buffered stdout arrives, and the exit code is the one given."""
-    script = ("import atexit, sys, threading, time\n"
+    handlers run, buffered stdout arrives, and the exit code is the one given. An idle thread pool's workers (as
+    torch.compile's first, cold-cache compile leaves them in a rank) are ended as at a normal exit, not waited on
+    forever: make train's compiled runs hung there after writing their summary."""
+    script = ("import atexit, concurrent.futures, sys, threading, time\n"
               "from pathlib import Path\n"
               "from memtrain.quick_exit import quick_exit\n"
               f"out = Path({str(tmp_path)!r})\n"
               "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
               "threading.Thread(target=lambda: (time.sleep(0.3), (out / 'thread').write_text('done'))).start()\n"
+              "pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+              "pool.submit(time.sleep, 0.1).result()\n"
               "sys.stdout.write('buffered, no newline')\n"
               "quick_exit(3)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
