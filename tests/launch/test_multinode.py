@@ -27,7 +27,7 @@ from memtrain.tools.tb import read_scalars
 from memtrain.train.checkpoint import tag_for
 
 STEPS = 6
-TIMEOUT_S = 15  # train.collective_timeout_s: how long a rank waits for a lost peer
+TIMEOUT_S = 30  # train.collective_timeout_s: how long a rank waits for a lost peer
 ARGS = [*FAST, "--max-steps", str(STEPS),
         "--set", "train.log_every=1", "--set", "train.save_interval=2", "--set", "train.keep_last=3",
         "--set", f"train.collective_timeout_s={TIMEOUT_S}"]
