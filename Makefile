@@ -137,9 +137,9 @@ test: setup
 	$(BIN)/ruff check -q src tests
 	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-## test-fast: the unit tier alone (tests/unit: in process, no launcher, no subprocess run)
+## test-fast: the unit tier alone (tests/unit: in process, no launcher, no subprocess run), over TEST_WORKERS workers
 test-fast: setup
-	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
 
 ## test-multinode: two torchrun agents as two nodes on this machine (tests/launch/test_multinode.py); .ci/run runs it
 ## after make test
