@@ -15,7 +15,7 @@ from memtrain.config.recipe import load_recipe
 from memtrain.memory.hardware import load_hardware
 from memtrain.memory.search import search
 from memtrain.tools.flags import DEFAULT_DS
-from memtrain.tools.plan_verify import Verified, calibrate, format_verify
+from memtrain.tools.plan_verify import Verified, calibrate, combined, format_verify
 from memtrain.tools.sweep_points import read_summary
 
 SHEET = Path(__file__).resolve().parent / "cpu-2.yaml"
@@ -27,14 +27,16 @@ def main(calibration: Path, rounds: list[Path]) -> None:
     by_label = {s.config.label(): (i, s) for i, s in enumerate(result.scored)}
     rows = []
     for d in sorted(d for r in rounds for d in (r / "verify").iterdir()):
-        spec = yaml.safe_load((d / "sweep.yaml").read_text())
         # the recipe's first line names its configuration: "... --search`: z3 off:param tp1 sp1 mb1 ga8, predicted"
         label = (d / "recipe.yaml").read_text().splitlines()[0].split(": ", 1)[1].split(", predicted")[0]
         i, s = by_label[label]
-        run_dir = Path("runs") / spec["name"] / "max_steps=12"
-        summary = read_summary(run_dir)
-        rows.append(Verified(s, i + 1, run_dir, summary["status"], summary["metrics"]["throughput/tokens_per_s"],
-                             None, summary["device"]))
+        runs = []
+        for sweep in sorted(d.glob("sweep*.yaml")):  # sweep.yaml (one run, rounds A-C) or sweep-r<j>.yaml (repeats)
+            run_dir = Path("runs") / yaml.safe_load(sweep.read_text())["name"] / "max_steps=12"
+            summary = read_summary(run_dir)
+            runs.append(Verified(s, i + 1, run_dir, summary["status"], summary["metrics"]["throughput/tokens_per_s"],
+                                 None, summary["device"]))
+        rows.append(combined(runs))
     print(format_verify(rows))
     print(calibrate(rows, SHEET, calibration))
 

@@ -2,6 +2,10 @@
 steps through the sweep runner, and print predicted against measured tokens/s and peak memory with their rank
 correlation (Kendall's tau).
 
+Each configuration runs `--verify-repeats` times, interleaved (every configuration once per round, rounds alternating
+forward and back: a load that drifts through the rounds weighs on every configuration alike), and its measured figure
+is the median of its runs; the spread of its runs is the noise, and pairs whose runs overlap count as measured ties.
+
 Each configuration is written as `plans/<name>/verify/<i>/ds.json` + `recipe.yaml` (what `--search` writes for its
 winner) and a one-point sweep file beside them, run by `memtrain.tools.sweep.run_sweep` with the local launcher
 (`deepspeed`, one process per GPU, or gloo ranks on a CPU machine) or Slurm (`--launcher slurm`). The measured figures
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -42,6 +46,24 @@ class Verified:
     tokens_per_s: Optional[float]  # measured, median after warm-up
     peak: Optional[int]  # measured max_memory_allocated (bytes); None on CPU
     device: Optional[str]
+    samples: tuple[float, ...] = ()  # every repeat's measured tokens/s (tokens_per_s is their median)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the repeats' tokens/s: 0 for one run."""
+        return (max(self.samples) - min(self.samples)) / self.tokens_per_s if len(self.samples) > 1 else 0.0
+
+    def overlaps(self, other: "Verified") -> bool:
+        """Whether the two configurations' measured ranges (min..max over the repeats) overlap: a tie within noise."""
+        if len(self.samples) < 2 or len(other.samples) < 2:
+            return False
+        return min(self.samples) <= max(other.samples) and min(other.samples) <= max(self.samples)
+
+
+def run_order(n: int, repeats: int) -> list[tuple[int, int]]:
+    """(repeat, pick) in the order the runs go: every pick once per round, odd rounds backwards (ABC CBA ABC), so
+    a load drifting linearly over two rounds weighs the same on every pick."""
+    return [(j, p) for j in range(repeats) for p in (range(n) if j % 2 == 0 else reversed(range(n)))]
 
 
 def pick(scored: list[Scored], k: int, extra: int = RANDOM_EXTRA, seed: int = 0) -> list[int]:
@@ -51,14 +73,17 @@ def pick(scored: list[Scored], k: int, extra: int = RANDOM_EXTRA, seed: int = 0)
     return top + sorted(random.Random(seed).sample(rest, min(extra, len(rest))))
 
 
-def kendall_tau(xs: list[float], ys: list[float]) -> float:
-    """Kendall's tau-b of two equally long lists (ties in either count as neither concordant nor discordant)."""
+def kendall_tau(xs: list[float], ys: list[float], tied_y=None) -> float:
+    """Kendall's tau-b of two equally long lists (ties in either count as neither concordant nor discordant);
+    `tied_y(i, j)`, when given, also makes pair (i, j) a tie in `ys` (a measured difference within noise)."""
     if len(xs) != len(ys) or len(xs) < 2:
         raise ValueError("kendall_tau: needs two lists of the same length, at least 2")
     concordant = discordant = ties_x = ties_y = 0
     for i in range(len(xs)):
         for j in range(i + 1, len(xs)):
             dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if tied_y is not None and tied_y(i, j):
+                dy = 0
             if dx == 0 and dy == 0:
                 continue
             if dx == 0:
@@ -74,9 +99,10 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
     return (concordant - discordant) / denom if denom else 0.0
 
 
-def write_points(result: SearchResult, recipe, picks: list[int], out: Path, steps: int) -> list[tuple[int, Path]]:
-    """Per pick: its JSON and recipe (as --search writes the winner's) and a one-point sweep file running `steps`
-    steps; returns (index, sweep file)."""
+def write_points(result: SearchResult, recipe, picks: list[int], out: Path, steps: int,
+                 repeats: int = 1) -> list[tuple[int, list[Path]]]:
+    """Per pick: its JSON and recipe (as --search writes the winner's) and one one-point sweep file per repeat
+    running `steps` steps (each its own run directory); returns (index, sweep files)."""
     sweeps = []
     for n, i in enumerate(picks):
         # the configuration in the name: the sweep runner keeps a finished run of the same name and command, so a
@@ -84,11 +110,13 @@ def write_points(result: SearchResult, recipe, picks: list[int], out: Path, step
         name = f"{n + 1:02d}-rank{i + 1}-{config_slug(result.scored[i])}"
         where = out / "verify" / name
         ds_path, recipe_path = write_plan(result, recipe, result.scored[i], where)
-        spec = {"name": f"{out.name}-verify-{name}", "recipe": str(recipe_path),
-                "deepspeed": str(ds_path), "grid": {"train.max_steps": [steps]}, "launcher": {"gpus_per_run": result.world}}
-        path = where / "sweep.yaml"
-        path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
-        sweeps.append((i, path))
+        paths = []
+        for j in range(repeats):
+            spec = {"name": f"{out.name}-verify-{name}-r{j + 1}", "recipe": str(recipe_path), "deepspeed": str(ds_path),
+                    "grid": {"train.max_steps": [steps]}, "launcher": {"gpus_per_run": result.world}}
+            paths.append(where / f"sweep-r{j + 1}.yaml")
+            paths[-1].write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+        sweeps.append((i, paths))
     return sweeps
 
 
@@ -108,32 +136,48 @@ def measured(result: SearchResult, i: int, run_dir: Path) -> Verified:
                     int(peak_gib * GIB) if peak_gib and device == "cuda" else None, device)
 
 
+def combined(runs: list[Verified]) -> Verified:
+    """One configuration's repeats as one row: the median of the measured tokens/s, every run's kept in `samples`."""
+    done = [r for r in runs if r.tokens_per_s]
+    first = (done or runs)[0]
+    status = first.status if len(done) == len(runs) else f"{len(done)}/{len(runs)} done"
+    if not done:
+        return replace(first, status=status)
+    samples = tuple(r.tokens_per_s for r in done)
+    peaks = [r.peak for r in done if r.peak]
+    return replace(first, status=status, tokens_per_s=statistics.median(samples), samples=samples,
+                   peak=max(peaks) if peaks else None)
+
+
 def run_verify(result: SearchResult, recipe, out: Path, k: int, steps: int, launcher: Optional[str],
-               gpus_per_node: int, extra: int = RANDOM_EXTRA) -> list[Verified]:
-    """Write, run (sweep runner) and read back the picked configurations."""
+               gpus_per_node: int, extra: int = RANDOM_EXTRA, repeats: int = 1) -> list[Verified]:
+    """Write, run (sweep runner; the repeats interleaved, run_order) and read back the picked configurations."""
     if result.world > gpus_per_node and (launcher or "deepspeed") == "deepspeed":
         raise UserError(f"--verify: {result.world} ranks span nodes; the local launcher runs one node "
                         "(--launcher slurm)")
-    rows = []
-    for i, path in write_points(result, recipe, pick(result.scored, k, extra), out, steps):
-        sweep = load_sweep(path)
+    points = write_points(result, recipe, pick(result.scored, k, extra), out, steps, repeats)
+    runs: list[list[Verified]] = [[] for _ in points]
+    for j, p in run_order(len(points), repeats):
+        i, paths = points[p]
+        sweep = load_sweep(paths[j])
         run_sweep(sweep, launcher=launcher)
-        rows.append(measured(result, i, sweep.points[0].run_dir))
-    return rows
+        runs[p].append(measured(result, i, sweep.points[0].run_dir))
+    return [combined(r) for r in runs]
 
 
 def format_verify(rows: list[Verified]) -> str:
     """Predicted against measured, side by side, and Kendall's tau of predicted and measured tokens/s."""
     lines = ["verify: predicted against measured (measured: the run's summary.json, median after warm-up)",
-             f"{'rank':>4}  {'configuration':<34} {'status':<10} {'pred tok/s':>11} {'meas tok/s':>11} {'error':>7}"
-             f"  {'pred GiB':>8} {'meas GiB':>8}"]
+             f"{'rank':>4}  {'configuration':<34} {'status':<10} {'pred tok/s':>11} {'meas tok/s':>11} {'spread':>7}"
+             f" {'error':>7}  {'pred GiB':>8} {'meas GiB':>8}"]
     for r in rows:
         s = r.scored
         meas = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
         err = f"{r.tokens_per_s / s.tokens_per_s - 1:+.0%}" if r.tokens_per_s else "-"
         peak = f"{r.peak / GIB:.2f}" if r.peak else ("CPU run" if r.device == "cpu" else "-")
+        spread = f"{r.spread:.1%}" if len(r.samples) > 1 else "-"
         lines.append(f"{r.rank:>4}  {s.config.label():<34} {r.status:<10} {s.tokens_per_s:>11,.0f} {meas:>11} "
-                     f"{err:>7}  {s.peak / GIB:>8.2f} {peak:>8}")
+                     f"{spread:>7} {err:>7}  {s.peak / GIB:>8.2f} {peak:>8}")
     lines.append(summary_line(rows))
     return "\n".join(lines)
 
@@ -146,9 +190,24 @@ def summary_line(rows: list[Verified]) -> str:
     best_measured = max(r.tokens_per_s for r in done)
     predicted_best = min(done, key=lambda r: r.rank)
     errors = sorted(abs(r.tokens_per_s / r.scored.tokens_per_s - 1) for r in done)
-    return (f"Kendall tau (predicted vs measured tokens/s, {len(done)} runs): {tau:.2f}; the predicted best "
+    line = (f"Kendall tau (predicted vs measured tokens/s, {len(done)} configurations): {tau:.2f}; the predicted best "
             f"(rank {predicted_best.rank}) measured {predicted_best.tokens_per_s / best_measured:.1%} of the best "
             f"measured; median |error| {statistics.median(errors):.0%}")
+    return line + noise_line(done)
+
+
+def noise_line(done: list[Verified]) -> str:
+    """The repeats' spread and the tau that counts pairs whose measured ranges overlap as ties ('' for one run)."""
+    repeated = [r for r in done if len(r.samples) > 1]
+    if not repeated:
+        return ""
+    spreads = sorted(r.spread for r in repeated)
+    ties = sum(done[i].overlaps(done[j]) for i in range(len(done)) for j in range(i + 1, len(done)))
+    tau = kendall_tau([r.scored.tokens_per_s for r in done], [r.tokens_per_s for r in done],
+                      tied_y=lambda i, j: done[i].overlaps(done[j]))
+    return (f"\nnoise: {min(len(r.samples) for r in repeated)}+ runs each, interleaved; spread (max-min)/median "
+            f"{statistics.median(spreads):.1%} median, {spreads[-1]:.1%} max; {ties} pairs within noise (their runs' "
+            f"ranges overlap); Kendall tau with those pairs as measured ties: {tau:.2f}")
 
 
 def calibrate(rows: list[Verified], hw_path: Path, cal_path: Path) -> Optional[str]:
@@ -189,7 +248,8 @@ def overhead_figures(done: list[Verified]) -> dict[str, float]:
 
 def verify_cli(args, result: SearchResult, recipe, hw, out: Path) -> None:
     """--verify K: run the picked configurations, print predicted against measured, feed the calibration file."""
-    rows = run_verify(result, recipe, out, args.verify, args.verify_steps, args.launcher, hw.gpus_per_node)
+    rows = run_verify(result, recipe, out, args.verify, args.verify_steps, args.launcher, hw.gpus_per_node,
+                      repeats=args.verify_repeats)
     print(format_verify(rows))
     cal = Path(args.calibration) if args.calibration else calibration_path(Path(args.hardware))
     line = calibrate(rows, Path(args.hardware), cal)
@@ -200,6 +260,8 @@ def check_verify_args(args, warmup_steps: int) -> None:
     """Before the search: --verify's numbers make sense (tokens/s is measured only after the metric warm-up)."""
     if args.verify < 0:
         raise UserError("--verify K: K must be >= 0")
+    if args.verify_repeats < 1:
+        raise UserError(f"--verify-repeats {args.verify_repeats}: must be >= 1")
     if args.verify and args.verify_steps <= warmup_steps + 1:
         raise UserError(f"--verify-steps {args.verify_steps}: needs more than train.metric_warmup_steps + 1 "
                         f"({warmup_steps + 1}): tokens/s is measured after the warm-up")

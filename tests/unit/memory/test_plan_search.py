@@ -407,8 +407,9 @@ def test_verify_picks_writes_runnable_sweeps_and_kendall_tau(tmp_path, monkeypat
     assert picks[:2] == [0, 1] and len(set(picks)) == 5 and all(i < len(result.scored) for i in picks)
     assert picks == pick(result.scored, 2, extra=3, seed=1)
     monkeypatch.chdir(tmp_path)
-    for i, path in write_points(result, _tiny(), picks, tmp_path / "plan", steps=4):
-        sweep = load_sweep(path)
+    for i, paths in write_points(result, _tiny(), picks, tmp_path / "plan", steps=4, repeats=2):
+        assert len({load_sweep(p).points[0].run_dir for p in paths}) == 2  # each repeat its own run directory
+        sweep = load_sweep(paths[0])
         (point,) = sweep.points
         # another configuration at the same rank (a changed ranking) gets another run directory
         assert result.scored[i].config.label().replace(" ", "-").replace(":", "-") in str(point.run_dir)
@@ -470,3 +471,49 @@ def test_verify_fits_a_cpu_sheets_overhead_from_its_runs(tmp_path):
     calibrated = load_hardware(sheet)  # the default calibration path
     assert (calibrated.overhead_layer_s, calibrated.overhead_collective_s, calibrated.overhead_step_s) == \
         pytest.approx((2e-3, 4e-4, 0.05), rel=1e-3)
+
+
+def test_verify_repeats_run_interleaved_and_rank_ties_within_noise(tmp_path, monkeypatch):
+    """--verify-repeats: every configuration runs once per round, rounds alternating forward and back (positions
+    summed over two rounds equal for every pick); each configuration's measured figure is the median of its runs
+    (sorted()[1] of 3); pairs whose runs' ranges overlap count as measured ties in the second tau, which equals
+    tau-b on lists where those pairs are made equal by hand. The sweep runner is replaced by one that writes each
+    run's summary.json: 24 launches have no place in the suite."""
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.search import search
+    from memtrain.tools import plan_verify
+    from memtrain.tools.sweep_points import RunDir
+
+    order = plan_verify.run_order(4, 3)
+    assert [p for j, p in order if j == 1] == [3, 2, 1, 0] and sorted(order) == [(j, p) for j in range(3)
+                                                                                for p in range(4)]
+    pos = {p: sum(k for k, (j, q) in enumerate(order) if q == p and j < 2) for p in range(4)}
+    assert len(set(pos.values())) == 1
+
+    result = search(_tiny(), load_ds_config(DS), _hardware(tmp_path, **{"gpu.memory": "0.5GiB"}), 1, 64 * 8 * 8,
+                    micro_batches=(2, 8), exact_top=0)
+    # three runs per configuration: (A) 100, 104, 96 -> 100; (B) 99, 103, 97 overlaps A; (C) 50, 51, 49; (D) 20, 22, 21
+    runs = {0: [100, 104, 96], 1: [99, 103, 97], 2: [50, 51, 49], 3: [20, 22, 21]}
+    ran = []
+
+    def fake_run_sweep(sweep, launcher=None):
+        (point,) = sweep.points
+        p, j = int(sweep.spec.name.split("-verify-")[1][:2]) - 1, int(sweep.spec.name.rsplit("-r", 1)[1]) - 1
+        ran.append((j, p))
+        point.run_dir.mkdir(parents=True)
+        RunDir(point.run_dir).summary_file.write_text(json.dumps(
+            {"status": "completed", "device": "cpu", "metrics": {"throughput/tokens_per_s": runs[p][j]}}))
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan_verify, "run_sweep", fake_run_sweep)
+    rows = plan_verify.run_verify(result, _tiny(), tmp_path / "plan", 4, 4, None, 8, extra=0, repeats=3)
+    assert ran == order
+    assert [r.tokens_per_s for r in rows] == [sorted(runs[p])[1] for p in range(4)]
+    assert rows[0].samples == (100, 104, 96) and rows[0].spread == pytest.approx(8 / 100)
+    assert rows[0].overlaps(rows[1]) and not rows[1].overlaps(rows[2])
+    text = plan_verify.format_verify(rows)
+    predicted = [r.scored.tokens_per_s for r in rows]
+    tied = [100, 100, 50, 20]  # A and B made equal by hand
+    expected = plan_verify.kendall_tau(predicted, tied)
+    assert "1 pairs within noise" in text and f"as measured ties: {expected:.2f}" in text
+    assert "spread (max-min)/median" in text and "8.0%" in text
