@@ -11,8 +11,8 @@
   rate (inside a node or across nodes, by where its group's ranks sit) + a latency per call;
 * overlap (an assumption, ZERO_OVERLAP): DeepSpeed runs ZeRO's gathers (prefetch) and gradient
   reductions (overlap_comm) on side streams, hidden behind up to that fraction of the micro-step's
-  compute; AutoTP's all-reduces and Ulysses' all-to-alls sit on the compute path and are never hidden;
-  the step's own collectives (ZeRO-0's all-reduce, ZeRO-1/2's parameter all-gather) run after the
+  compute; on a CPU device nothing is hidden (zero_overlap); AutoTP's all-reduces and Ulysses'
+  all-to-alls sit on the compute path and are never hidden; the step's own collectives (ZeRO-0's all-reduce, ZeRO-1/2's parameter all-gather) run after the
   backward and are never hidden;
 * optimizer: Adam streams ADAM_BYTES_PER_PARAM per trained parameter of the rank's partition,
   through HBM on the GPU, or through the node's host memory with CPU Adam (offload_optimizer; the
@@ -38,6 +38,12 @@ from memtrain.memory.hardware import Hardware
 # overlapped communication slowing compute by 1.1-1.3x (shared/notes/planner-anchors.md), i.e. most,
 # not all, of it hidden.
 ZERO_OVERLAP = 0.8
+# A CPU device has no side streams: DeepSpeed's CPU accelerator returns None for Stream(), a no-op context
+# for stream() and is_synchronized_device() True (deepspeed/accelerator/cpu_accelerator.py, 0.19.8), and gloo's
+# collectives block, so every gather and reduction runs on the compute path. Measured on the CPU proxy
+# (wall_clock_breakdown, 2 gloo ranks, docs/planner-search.md): ZeRO's reduction shows as its own serial
+# `bwd_allreduce` time after the backward's compute.
+ZERO_OVERLAP_CPU = 0.0
 # Seconds each collective call costs beyond its bytes: Calculon's systems/h100_80g_nvl8.json
 # (NVLink 10 us, InfiniBand 20 us).
 LATENCY_S = {False: 10e-6, True: 20e-6}  # crosses nodes?
@@ -68,6 +74,11 @@ class StepTime:
     def binding(self) -> str:
         """The term that costs the most."""
         return max(self.terms, key=self.terms.get)
+
+
+def zero_overlap(hw: Hardware) -> float:
+    """The fraction of a micro-step's compute behind which ZeRO's side-stream collectives hide on `hw`'s device."""
+    return ZERO_OVERLAP_CPU if hw.device == "cpu" else ZERO_OVERLAP
 
 
 def collective_seconds(c: Collective, layout: Layout, hw: Hardware) -> float:
@@ -117,7 +128,7 @@ def step_time(hw: Hardware, layout: Layout, collectives: list[Collective], model
         else:
             stepwise += s
     counts = overhead_counts(layout, collectives, modes, grad_accum)
-    hidden = min(per["zero"], ZERO_OVERLAP * compute)
+    hidden = min(per["zero"], zero_overlap(hw) * compute)
     return StepTime({
         "compute": grad_accum * compute,
         "recompute": grad_accum * ac_seconds,

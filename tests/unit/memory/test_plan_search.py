@@ -155,6 +155,15 @@ def test_step_time_terms_by_hand(tmp_path):
     assert t.counts == {"layer_calls": layers, "collective_calls": calls, "steps": 1.0}
     assert t.terms["overhead"] == pytest.approx(1e-3 * layers + 1e-4 * calls + 0.05)
 
+    # a CPU device (the CPU proxy's sheet) hides nothing: DeepSpeed's CPU accelerator has no side streams, so a
+    # micro-step's reduce-scatter costs its bytes over the link and its latency even behind much more compute
+    from memtrain.memory.hardware import load_hardware
+
+    cpu = load_hardware(ROOT / "reports" / "readme" / "cpu-proxy" / "cpu-2.yaml")
+    t = step_time(cpu, Layout(2, 2), [micro], model_flops=1e12, ac_seconds=0.0, grad_accum=2, optimizer_s=0.0)
+    assert t.terms["compute"] > 100 * t.terms["zero_comm"] > 0
+    assert t.terms["zero_comm"] == pytest.approx(2 * (1e6 / 2 / (18.2e9 * 1.0) + 5 * LATENCY_S[False]))
+
 
 def test_overhead_fit_is_the_best_non_negative_fit():
     """fit_overheads against known rates (exact data), and against a brute-force grid of non-negative rates where
