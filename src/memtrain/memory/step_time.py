@@ -12,8 +12,8 @@
 * overlap (an assumption, ZERO_OVERLAP): DeepSpeed runs ZeRO's gathers (prefetch) and gradient
   reductions (overlap_comm) on side streams, hidden behind up to that fraction of the micro-step's
   compute; on a CPU device nothing is hidden (zero_overlap); AutoTP's all-reduces and Ulysses'
-  all-to-alls sit on the compute path and are never hidden; the step's own collectives (ZeRO-0's all-reduce, ZeRO-1/2's parameter all-gather) run after the
-  backward and are never hidden;
+  all-to-alls sit on the compute path and are never hidden; the step's own collectives (ZeRO-0's
+  all-reduce, ZeRO-1/2's parameter all-gather) run after the backward and are never hidden;
 * optimizer: Adam streams ADAM_BYTES_PER_PARAM per trained parameter of the rank's partition,
   through HBM on the GPU, or through the node's host memory with CPU Adam (offload_optimizer; the
   node's ranks share its bandwidth);
