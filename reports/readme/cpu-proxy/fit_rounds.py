@@ -3,7 +3,8 @@ earlier sheet or calibration), scored again under cpu-2.yaml and fed to `--verif
 
     PYTHONPATH=src python reports/readme/cpu-proxy/fit_rounds.py CALIBRATION_YAML ROUND_OUT...
 
-ROUND_OUT is the --out of a --verify run (its verify/<n>-rank<r>[-<config>]/ files); the runs are read from runs/.
+ROUND_OUT is the --out of a --verify run (its verify/<n>-rank<r>[-<config>]/ files); the runs are read from runs/,
+every repeat a configuration has (the median of its runs, as --verify-repeats reads them).
 """
 import sys
 from pathlib import Path
@@ -34,11 +35,14 @@ def main(calibration: Path, rounds: list[Path]) -> None:
         for sweep in sorted(d.glob("sweep*.yaml")):  # sweep.yaml (one run, rounds A-C) or sweep-r<j>.yaml (repeats)
             run_dir = Path("runs") / yaml.safe_load(sweep.read_text())["name"] / "max_steps=12"
             summary = read_summary(run_dir)
+            if not summary or not (summary.get("metrics") or {}).get("throughput/tokens_per_s"):
+                continue  # not run (yet): a round stopped part way reads the runs it has
             runs.append(Verified(s, i + 1, run_dir, summary["status"], summary["metrics"]["throughput/tokens_per_s"],
                                  None, summary["device"]))
-        rows.append(combined(runs))
+        if runs:
+            rows.append(combined(runs))
     print(format_verify(rows))
-    print(calibrate(rows, SHEET, calibration))
+    print(calibrate(rows, SHEET, calibration) if len(rows) >= 3 else "calibration: not fitted (fewer than 3 runs)")
 
 
 if __name__ == "__main__":
