@@ -482,12 +482,12 @@ def test_verify_fits_a_cpu_sheets_overhead_from_its_runs(tmp_path):
         pytest.approx((2e-3, 4e-4, 0.05), rel=1e-3)
 
 
-def test_verify_repeats_run_interleaved_and_rank_ties_within_noise(tmp_path, monkeypatch):
+def test_verify_repeats_run_interleaved_and_rank_ties_within_noise(tmp_path):
     """--verify-repeats: every configuration runs once per round, rounds alternating forward and back (positions
     summed over two rounds equal for every pick); each configuration's measured figure is the median of its runs
-    (sorted()[1] of 3); pairs whose runs' ranges overlap count as measured ties in the second tau, which equals
-    tau-b on lists where those pairs are made equal by hand. The sweep runner is replaced by one that writes each
-    run's summary.json: 24 launches have no place in the suite."""
+    (sorted()[1] of 3), read from run directories' summary.json as the runs write it; pairs whose runs' ranges
+    overlap count as measured ties in the second tau, which equals tau-b on lists where those pairs are made equal
+    by hand. No launch: 24 runs have no place in the suite, and the summaries are written in the trainer's format."""
     from memtrain.config.ds_config import load_ds_config
     from memtrain.memory.search import search
     from memtrain.tools import plan_verify
@@ -503,20 +503,16 @@ def test_verify_repeats_run_interleaved_and_rank_ties_within_noise(tmp_path, mon
                     micro_batches=(2, 8), exact_top=0)
     # three runs per configuration: (A) 100, 104, 96 -> 100; (B) 99, 103, 97 overlaps A; (C) 50, 51, 49; (D) 20, 22, 21
     runs = {0: [100, 104, 96], 1: [99, 103, 97], 2: [50, 51, 49], 3: [20, 22, 21]}
-    ran = []
-
-    def fake_run_sweep(sweep, launcher=None):
-        (point,) = sweep.points
-        p, j = int(sweep.spec.name.split("-verify-")[1][:2]) - 1, int(sweep.spec.name.rsplit("-r", 1)[1]) - 1
-        ran.append((j, p))
-        point.run_dir.mkdir(parents=True)
-        RunDir(point.run_dir).summary_file.write_text(json.dumps(
-            {"status": "completed", "device": "cpu", "metrics": {"throughput/tokens_per_s": runs[p][j]}}))
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(plan_verify, "run_sweep", fake_run_sweep)
-    rows = plan_verify.run_verify(result, _tiny(), tmp_path / "plan", 4, 4, None, 8, extra=0, repeats=3)
-    assert ran == order
+    rows = []
+    for p, figures in runs.items():
+        repeats = []
+        for j, tokens_per_s in enumerate(figures):
+            run_dir = tmp_path / f"runs/verify-{p}-r{j}"
+            run_dir.mkdir(parents=True)
+            RunDir(run_dir).summary_file.write_text(json.dumps(
+                {"status": "completed", "device": "cpu", "metrics": {"throughput/tokens_per_s": tokens_per_s}}))
+            repeats.append(plan_verify.measured(result, p, run_dir))
+        rows.append(plan_verify.combined(repeats))
     assert [r.tokens_per_s for r in rows] == [sorted(runs[p])[1] for p in range(4)]
     assert rows[0].samples == (100, 104, 96) and rows[0].spread == pytest.approx(8 / 100)
     assert rows[0].overlaps(rows[1]) and not rows[1].overlaps(rows[2])
