@@ -141,10 +141,13 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
 
-## test-multinode: two torchrun agents as two nodes on this machine (tests/launch/test_multinode.py); .ci/run runs it
-## after make test
+## test-multinode: two torchrun agents as two nodes on this machine (tests/launch/test_multinode.py) and the Slurm
+## lost-rank job; .ci/run runs it after make test. Its 4 tests run at once, one xdist worker each: run one by one,
+## the cores sat partly idle (the same CPU-s took 1.6x the wall; reports/readme/test-times.md)
+MULTINODE_WORKERS ?= 4
 test-multinode: setup
-	$(BIN)/python -m pytest -q -m multinode tests/launch/test_multinode.py tests/launch/test_slurm.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m multinode -n $(MULTINODE_WORKERS) --dist load \
+	  tests/launch/test_multinode.py tests/launch/test_slurm.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .cache

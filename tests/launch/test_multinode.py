@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,18 @@ def _kill_node(agent: subprocess.Popen) -> None:
             pass
 
 
+@contextmanager
+def _running(agents: list[subprocess.Popen]):
+    """The agents, each killed with its ranks on leaving the block if it still runs (a failed assertion)."""
+    try:
+        yield agents
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill_node(agent)
+                agent.wait()
+
+
 def _wait(agents, timeout: float) -> list[int]:
     deadline = time.time() + timeout
     try:
@@ -94,27 +107,29 @@ def test_two_nodes_train_and_a_lost_node_resumes_to_the_straight_runs_losses(tmp
     """ZeRO-3 + full recompute, and the same with AutoTP 2 (a tensor-parallel group inside each node, data
     parallel across them: its model checkpoint files are named by data- and model-parallel rank)."""
     straight, lost = tmp_path / "straight", tmp_path / "lost"
-    # the straight run with global rank 0 on the second node: its status is where the batch script reads it
-    assert _wait(_agents(straight, "straight-0", tmp_path, ds=ds, rank0_node=1), 600) == [0, 0], \
-        _log(tmp_path, "straight-0")
+    # The straight run beside the lost one and its requeue: apart in all but the cores (each job its own
+    # rendezvous port, run directory and logs), so the case takes two launches' time, not three.
+    # The straight run with global rank 0 on the second node: its status is where the batch script reads it.
+    with _running(_agents(straight, "straight-0", tmp_path, ds=ds, rank0_node=1)) as straight_agents:
+        with _running(_agents(lost, "lost-0", tmp_path, ds=ds)) as agents:
+            deadline = time.time() + 600
+            while not (lost / "checkpoints" / tag_for(2)).is_dir():  # renamed into place: complete
+                assert all(a.poll() is None for a in agents) and time.time() < deadline, _log(tmp_path, "lost-0")
+                time.sleep(0.05)
+            _kill_node(agents[1])  # the second node is gone: its agent and both its ranks
+            killed = time.time()
+            rc = _wait(agents[:1], TIMEOUT_S + 60)[0]
+            assert rc != 0 and time.time() - killed < TIMEOUT_S + 60, _log(tmp_path, "lost-0")
+            agents[1].wait()
+        # the requeue: both agents again, resuming from the newest intact checkpoint
+        with _running(_agents(lost, "lost-1", tmp_path, ["--resume"], ds=ds)) as resumed:
+            assert _wait(straight_agents, 600) == [0, 0], _log(tmp_path, "straight-0")
+            assert _wait(resumed, 600) == [0, 0], _log(tmp_path, "lost-1")
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS and summary["world_size"] == 4, summary
     rank0_lines = [("completed: " in (tmp_path / f"straight-0-agent{i}.log").read_text()) for i in range(2)]
     assert rank0_lines == [False, True], _log(tmp_path, "straight-0")  # rank 0 printed the summary on node 1
 
-    agents = _agents(lost, "lost-0", tmp_path, ds=ds)
-    deadline = time.time() + 600
-    while not (lost / "checkpoints" / tag_for(2)).is_dir():  # renamed into place: complete
-        assert all(a.poll() is None for a in agents) and time.time() < deadline, _log(tmp_path, "lost-0")
-        time.sleep(0.05)
-    _kill_node(agents[1])  # the second node is gone: its agent and both its ranks
-    killed = time.time()
-    rc = _wait(agents[:1], TIMEOUT_S + 60)[0]
-    assert rc != 0 and time.time() - killed < TIMEOUT_S + 60, _log(tmp_path, "lost-0")
-    agents[1].wait()
-
-    # the requeue: both agents again, resuming from the newest intact checkpoint
-    assert _wait(_agents(lost, "lost-1", tmp_path, ["--resume"], ds=ds), 600) == [0, 0], _log(tmp_path, "lost-1")
     summary = json.loads((lost / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS, summary
     ref = dict(read_scalars(straight / "tb")["train/loss"])
