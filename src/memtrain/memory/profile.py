@@ -143,14 +143,14 @@ def mode_plan(model, modes) -> ACPlan:
     return custom_plan(layers, "torch", modules, policy="profile")
 
 
-def _run(model, modes, target: Target) -> dict:
+def _run(model, modes, target: Target, count_flops: bool = True) -> dict:
     """One forward+backward under a per-layer plan (mode tuple or ACPlan): the live-bytes curve with
-    per-layer marks."""
+    per-layer marks (and FLOPs, unless `count_flops` is false: then every FLOP figure is 0)."""
     from memtrain.memory.flops import flop_counter  # noqa: PLC0415 flops registers its formulas at import (transformers, torch._dynamo: seconds)
 
     _, layers = decoder_layers(model)
     apply_plan(model, mode_plan(model, modes))
-    counter = flop_counter()
+    counter = flop_counter() if count_flops else _NoFlops()
     tracker = StepTracker(counter.get_total_flops, CUDA_BLOCK if target.device == "cuda" else 1)
     state = {"backward": False, "input_bytes": 0}
     handles = []
@@ -203,6 +203,19 @@ def _run(model, modes, target: Target) -> dict:
             "input_bytes": state["input_bytes"], "largest_block": max((d for d, _ in tracker.events), default=0)}
 
 
+class _NoFlops:
+    """Stands in for the FLOP counter where only memory is measured: counts nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def get_total_flops(self) -> int:
+        return 0
+
+
 def fake_model(config, num_layers: int, target: Target):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
@@ -246,17 +259,21 @@ def _packing(packed: bool):
         masking_utils.find_packed_sequence_indices = original
 
 
-def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]] = None) -> ActivationProfile:
+def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]] = None,
+                        count_flops: bool = True) -> ActivationProfile:
     """Measure one layer per AC mode, and the parts around the layers, on fake tensors (`_profiled`); or read
-    the same measurement where it was kept (memtrain.memory.profile_cache: a run's preflight measured it)."""
+    the same measurement where it was kept (memtrain.memory.profile_cache: a run's preflight measured it).
+    `count_flops=False`: memory only, every FLOP field 0 (torch's FLOP counter is about 40% of a measurement's time;
+    `--max-seq` reads no FLOPs)."""
     modes = tuple(modes or supported_modes())
     if profile_cache.kept_in() is None:
-        return _profiled(config, target, modes)
-    name = profile_cache.key(config.to_json_string(), {**target.to_dict(), "loss": _loss_code(target)}, modes)
+        return _profiled(config, target, modes, count_flops)
+    name = profile_cache.key(config.to_json_string(), {**target.to_dict(), "loss": _loss_code(target),
+                                                       "flops": count_flops}, modes)
     if name not in _KEPT:
         kept = _read_kept(name, target)
         if kept is None:
-            kept = _profiled(config, target, modes)
+            kept = _profiled(config, target, modes, count_flops)
             profile_cache.write(name, {**kept.to_dict(), "target": None})  # the target is the key's, not kept
         _KEPT[name] = kept
     return _KEPT[name]
@@ -284,7 +301,7 @@ def forget_measured() -> None:
         memo.clear()
 
 
-def _profiled(config, target: Target, modes: tuple[str, ...]) -> ActivationProfile:
+def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool = True) -> ActivationProfile:
     """Measure one layer per AC mode, and the parts around the layers, on fake tensors.
 
     A 1-layer model runs once per mode: its layer's window of the live-bytes curve gives what the
@@ -298,9 +315,9 @@ def _profiled(config, target: Target, modes: tuple[str, ...]) -> ActivationProfi
     extra = tuple(m for m in modes if m.startswith(MODULES))
     modes = tuple(m for m in modes if m not in extra)
     full_config, config = config, tensor_parallel.local_config(config, target.tp)  # one TP rank's shards
-    key = (config.to_json_string(), measured_part(target), _loss_code(target), modes)
+    key = (config.to_json_string(), measured_part(target), _loss_code(target), modes, count_flops)
     if key not in _PROFILES:
-        measured = _measure_profile(config, target, modes)
+        measured = _measure_profile(config, target, modes, count_flops)
         measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
         measured = ulysses.add_buffers(measured, config)  # its all-to-all buffers (sp > 1)
         _PROFILES[key] = tensor_parallel.partition_inputs(measured, target.tp) if target.partition else measured
@@ -310,11 +327,11 @@ def _profiled(config, target: Target, modes: tuple[str, ...]) -> ActivationProfi
     if not extra:
         return profile
     layers = dict(profile.layers)
-    mkey = (config.to_json_string(), measured_part(target), _loss_code(target))
+    mkey = (config.to_json_string(), measured_part(target), _loss_code(target), count_flops)
     for mode in extra:
         if (*mkey, mode) not in _MODE_COSTS:
             with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
-                run = _run(fake_model(config, 1, target), (mode,), target)
+                run = _run(fake_model(config, 1, target), (mode,), target, count_flops)
             _MODE_COSTS[(*mkey, mode)] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
                                           run["largest_block"])
         layers[mode] = _MODE_COSTS[(*mkey, mode)][0]
@@ -370,7 +387,7 @@ def _layer_cost(run, outside_saved: int, keep: Optional[LayerCost] = None) -> La
                    recompute_written=max(0.0, cost.bwd_written - keep.bwd_written))
 
 
-def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> ActivationProfile:
+def _measure_profile(config, target: Target, modes: tuple[str, ...], count_flops: bool = True) -> ActivationProfile:
     runs: dict[str, dict] = {}
     with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
         model = fake_model(config, 1, target)
@@ -379,9 +396,10 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...]) -> Activati
         layer = decoder_layers(model)[1][0]  # sublayer modes only where the layer has the sublayer (not OPT's MLP)
         modes = tuple(m for m in modes if m not in (ATTN, MLP) or find_sublayer(layer, m) is not None)
         for mode in modes:
-            runs[mode] = _run(model, (mode,), target)
-        two_keep = _run(fake_model(config, 2, target), (KEEP, KEEP), target)
-        deeper = [two_keep] + ([_run(fake_model(config, 2, target), (FULL, FULL), target)] if FULL in modes else [])
+            runs[mode] = _run(model, (mode,), target, count_flops)
+        two_keep = _run(fake_model(config, 2, target), (KEEP, KEEP), target, count_flops)
+        deeper = [two_keep] + ([_run(fake_model(config, 2, target), (FULL, FULL), target, count_flops)]
+                               if FULL in modes else [])
     outside_saved = 2 * runs[KEEP]["saved"] - two_keep["saved"]
     keep = _layer_cost(runs[KEEP], outside_saved)
     layers = {mode: _layer_cost(run, outside_saved, keep) for mode, run in runs.items()}

@@ -3,7 +3,7 @@ recompute policy x offload of checkpointed inputs x loss (standard/fused) x tile
 parallelism, and which memory runs out first: the device's or the host's.
 
 Per combination, one rank's activation profile is measured on fake tensors (memtrain.memory.profile,
-with the run's loss and tiled MLPs installed) at two long per-rank token counts (32 and 64 times
+with the run's loss and tiled MLPs installed; memory only, no FLOPs counted) at two long per-rank token counts (32 and 64 times
 the hidden size) and extended field by field along the line through them. Memory on a GPU is
 linear in the tokens (flash/efficient attention keeps no T x T scores; a tiled MLP with `auto`
 slices is a constant); the fused loss's chunked working set grows slower than linearly, so the
@@ -105,7 +105,7 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
     for loss in losses:
         for tiled in (0, "auto"):
             targets = [replace(base, seq_len=t, loss=loss, tiled_mlp=tiled) for t in probe]
-            profiles = [profile_activations(config, t, (KEEP, FULL)) for t in targets]
+            profiles = [profile_activations(config, t, (KEEP, FULL), count_flops=False) for t in targets]  # memory only
             states = model_states(profiles[0], ds_config, targets[0])
             for sp in sequence_sizes(config, world, zero_stage(ds_config)):
                 for name, choice in POLICIES:

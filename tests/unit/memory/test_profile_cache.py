@@ -116,3 +116,35 @@ def test_what_no_measurement_reads_shares_one_measurement(monkeypatch):
     monkeypatch.setattr(profile, "_measure_profile", lambda *a, **k: measured.append(a) or real(*a, **k))
     assert profile_activations(config, large, MODES) == fresh_large and not measured
     forget_measured()
+
+
+FLOP_FIELDS = ("fwd_flops", "bwd_flops", "recompute_flops")
+
+
+def test_a_memory_only_profile_gives_the_same_max_seq_figures():
+    """`make plan --max-seq` measures without torch's FLOP counter (`count_flops=False`: about 40% of a measurement's
+    time). On both losses x tiled MLP off, 2 and 4 slices: every field but the FLOPs equals the full measurement's, and
+    so does each of --max-seq's policies' predicted peak, peak phase and host bytes (predict reads no FLOPs)."""
+    import json
+
+    from conftest import ROOT
+    from memtrain.memory.predict import LayerChoice, predict
+    from memtrain.memory.states import model_states
+    from memtrain.recompute.policy import FULL, KEEP
+
+    ds = json.loads((ROOT / "ds_configs" / "zero3_ckpt.json").read_text())
+    config = build_config(ModelSection(type="llama", config={**SMALL_LLAMA, "max_position_embeddings": 256}),
+                          vocab_size=257, seq_len=256)
+    policies = [LayerChoice(KEEP), LayerChoice(FULL), LayerChoice(FULL, offload=True)]
+    for loss, tiled, seq in (("standard", 0, 128), ("fused", "auto", 128), ("standard", "auto", 256)):
+        target = replace(Target("cpu", "float32", 1, seq, 2), loss=loss, tiled_mlp=tiled)
+        full, cheap = (profile_activations(config, target, ("keep", "full"), count_flops=c) for c in (True, False))
+        for mode, cost in full.layers.items():
+            assert cost.fwd_flops > 0 and cost.bwd_flops > 0  # the full measurement counts FLOPs
+            assert all(getattr(cheap.layers[mode], f) == 0 for f in FLOP_FIELDS)
+            assert replace(cheap.layers[mode], **{f: getattr(cost, f) for f in FLOP_FIELDS}) == cost, (mode, loss, tiled)
+        assert replace(cheap, layers=full.layers) == full, (loss, tiled)
+        states = model_states(full, ds, target)
+        for choice in policies:
+            ours, theirs = (predict(p, states, (choice,) * p.num_layers) for p in (cheap, full))
+            assert (ours.peak, ours.phase, ours.host_activations) == (theirs.peak, theirs.phase, theirs.host_activations)
