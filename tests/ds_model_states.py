@@ -366,9 +366,23 @@ def prediction(c: dict, config, cfg: dict, recipe, frozen_recipe, world: int) ->
     out = {k: getattr(states, k) for k in ("params", "grads", "optimizer", "buckets", "persistent", "gathered",
                                            "update", "host", "reduce_buckets", "reduce_scratch", "accumulated",
                                            "accumulating")} | peak_terms(predicted)
+    out["prefetch_buffer"] = held_prefetch_buffer(profile, cfg, target)
     out["target"] = {"tp": target.tp, "sp": target.sequence_parallel, "seq_len": target.seq_len,
                      "loss": target.loss, "dtype": target.dtype}
     return out, predicted_collectives(config, cfg, target, profile)
+
+
+def held_prefetch_buffer(profile, cfg: dict, target) -> int:
+    """The part of memtrain's ZeRO-3 `gathered` that is no parameter: the prefetch all-gather's flat buffer, counted
+    where every parameter stays gathered (memtrain.memory.states.prefetch_buffer); 0 elsewhere."""
+    from memtrain.config.zero3 import resident
+    from memtrain.memory.states import keeps_gathered, persistent_elements, prefetch_buffer, zero_config
+
+    zero, world = zero_config(cfg), max(target.world_size // target.tp, 1)
+    if int(zero.stage) != 3 or resident(cfg, world) or not keeps_gathered(zero, profile.num_params, world):
+        return 0
+    gatherable = profile.num_params - persistent_elements(profile, zero)
+    return prefetch_buffer(profile, zero, target.torch_dtype.itemsize, gatherable)
 
 
 def peak_terms(prediction) -> dict:

@@ -75,10 +75,9 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
                 if "tp2" in case and term in ("params", "grads", "optimizer", "host"):
                     # rank 1 holds 128 of the untied LM head's 257 rows (512 B); the model counts the larger rank's
                     # 129. ZeRO-3 under AutoTP also partitions the replicated parameters (embedding, norms: 34,048
-                    # elements) over the TP ranks, and keeps them whole beside (3.8% of each term): not modelled
-                    tolerance = 0.04 if case.startswith("3") else 0.001
-                if term == "persistent" and case.startswith("3") and "tp2" in case:
-                    continue  # the replicated parameters kept whole (above), checked against the collectives below
+                    # elements) over the TP ranks, and keeps them whole beside: memtrain.memory.states
+                    # .replicated_split and `persistent` (3.8% over in each term without them)
+                    tolerance = 0.001
                 assert p[term] == pytest.approx(measured, rel=tolerance, abs=0), (rank, case, term, m, p)
             # nothing unaccounted; ZeRO-1/2 may still hold the reduction's flatten copy (reduce_scratch)
             # for a moment after the backward, until gloo's asynchronous reduce releases it (seen once
@@ -86,8 +85,9 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
             lingering = p["reduce_scratch"] if case.startswith(("1", "2")) else 0
             assert m["other"] < 4096 + lingering and m["gathered"] == 0, (rank, case, m)
             assert p["update"] == 0  # fp32: no separate fp32 gradients for the update
-            if case.startswith("3"):  # the default reuse distance keeps every non-persistent parameter whole
-                assert p["gathered"] == m["gathered_in_forward"], (rank, case, m, p)
+            if case.startswith("3"):  # the default reuse distance keeps every non-persistent parameter whole, and
+                # beside them one prefetch all-gather's flat buffer (states.prefetch_buffer; in the peak below)
+                assert p["gathered"] == m["gathered_in_forward"] + p["prefetch_buffer"], (rank, case, m, p)
             elif "tp2" in case and not case.startswith("0"):  # one data-parallel rank: a bucket's slices are one
                 assert m["reduce_scratch"] == p["reduce_scratch"] == 0, (rank, case, m, p)  # view, nothing copied
             elif not case.startswith("0"):  # ZeRO-0 reduces through no ipg bucket
@@ -119,20 +119,29 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # counted at a peak where DeepSpeed held less) and by up to 13.3% with accumulation 2 (memtrain.memory.states
         # .accumulation: ZeRO-1's whole .grads and the boundary's partition, ZeRO-2's second partition, each counted
         # through the whole backward; it was 13.6% under without them): an upper bound there, never under
-        # AutoTP and Ulysses (measured 2026-11-27, three launches): -1.1% to +0.8% under ZeRO-3 and offloaded ZeRO-2
-        # with TP 2, +0.5% to +2.9% offloaded with SP 2; ZeRO-1/2 without offload over by 2.6% to 6.5% (as above).
+        # AutoTP and Ulysses (measured 2026-11-27, three launches): -1.1% to +0.8% under offloaded ZeRO-2 with TP 2
+        # (ZeRO-3 with TP 2: below), +0.5% to +2.9% offloaded with SP 2; ZeRO-1/2 without offload over by 2.6% to
+        # 6.5% (as above: traced at 07:06, the peak comes in a layer's backward matmul with the gradient partition
+        # and both ipg buckets alive, but not the reduction's flatten copy the model adds, and rank 1 peaks 300 to
+        # 600 KB above rank 0; not modelled, so an upper bound).
         # ZeRO-0 under TP 2, -0.9% to -0.6%: it makes its all-reduce copy on one data-parallel rank too (it was 7.5% to
         # 8.7% under without it).
-        # Not within 3%, not traced: ZeRO-3 under SP 2, 2.2% to 7.7% under (Ulysses' buffers are an estimate,
-        # memtrain.memory.ulysses)
+        # ZeRO-3 (memtrain.memory.states.prefetch_buffer: the prefetch all-gather's flat buffer beside the whole
+        # parameters; 2.1% to 7.7% under without it, SP 2 cells included) -1.6% to +2.3% (measured 2026-11-27). One
+        # run saw rank 1 of 3+opt+sp2+ga2 650 KB higher in its first micro-step (-4.0% now): not traced, so 5% there.
         for case, r in result.items():
             m, p = r["measured"], r["predicted"]
             predicted = p["peak"] + p["host"] + p["host_activations"]
-            if case.startswith("3") and "sp2" in case:
-                assert predicted == pytest.approx(m["peak"], rel=0.10), (rank, case, m["peak"], p)
-            elif case.startswith("0"):
+            if case == "3+opt+sp2+ga2":
+                assert predicted == pytest.approx(m["peak"], rel=0.05), (rank, case, m["peak"], p)
+            elif case.startswith("3") and "tp2" in case:
+                # every term exact now (states.replicated_split), and the peak -2.6% to -3.2% under: ~310-340 KB
+                # more in the step than the states and activations counted, not traced (the replicated
+                # parameters' whole gradients before their reduction over the TP group, 136,192 B, are a candidate)
+                assert predicted == pytest.approx(m["peak"], rel=0.04), (rank, case, m["peak"], p)
+            elif case.startswith(("0", "3")):
                 assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
-            elif case.startswith("3") or "opt" in case:
+            elif "opt" in case:
                 assert predicted == pytest.approx(m["peak"], rel=0.05), (rank, case, m["peak"], p)
             else:
                 assert m["peak"] <= predicted <= 1.15 * m["peak"], (rank, case, m["peak"], p)

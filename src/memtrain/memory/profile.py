@@ -67,6 +67,7 @@ class ActivationProfile:
     tail_excess: int  # peak after the first layer's backward (embedding backward)
     largest_block: int  # the largest single allocation of the step
     quantized_sizes: tuple[tuple[int, int], ...] = ()  # model.quantization: (elements, how many) of the 4-bit weights
+    replicated: int = 0  # AutoTP (tp > 1): elements every TP rank holds whole (embeddings, norms): tensor_parallel
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -319,6 +320,7 @@ def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool 
     if key not in _PROFILES:
         measured = _measure_profile(config, target, modes, count_flops)
         measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
+        measured = tensor_parallel.mark_replicated(measured, full_config, target.tp)
         measured = ulysses.add_buffers(measured, config)  # its all-to-all buffers (sp > 1)
         _PROFILES[key] = tensor_parallel.partition_inputs(measured, target.tp) if target.partition else measured
     profile = _PROFILES[key]

@@ -117,6 +117,8 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     # ZeRO shards over the data-parallel ranks; with TP, profile.num_params is already one rank's shard
     n, world, stage = profile.num_params, max(target.world_size // target.tp, 1), int(zero.stage)
     t = target.trained(n)  # frozen parameters (memtrain.model.freeze) have no gradient and no optimizer state
+    split = replicated_split(profile, stage, target.tp)
+    n, t = n - split, t - split
     c = torch.tensor([], dtype=target.torch_dtype).element_size()
     offload_opt = stage >= 1 and offloaded(zero.offload_optimizer)
     offload_param = stage == 3 and offloaded(zero.offload_param)
@@ -133,6 +135,7 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     optimizer = (master + 8) * t // (world if stage >= 1 else 1)
     update = 4 * t // (world if stage >= 1 else 1) if mixed else 0
     buckets, persistent, gathered = zero3_buffers(profile, ds_config, zero, c, world, q) if stage == 3 else (0, 0, 0)
+    persistent += c * profile.replicated if split else 0  # the replicated parameters also kept whole
     reduce_buckets, reduce_scratch = reduce_buffers(profile, zero, c, world, offload_opt) if stage in (1, 2) else (0, 0)
     accumulated, accumulating, accumulated_host = accumulation(zero, stage, c, t, world, target.grad_accum, offload_opt)
     # ZeRO-0 (DeepSpeedEngine.allreduce_no_retain -> allreduce_bucket) flattens the gradients into one tensor of up
@@ -155,6 +158,18 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     return ModelStates(params, grads, optimizer, buckets, persistent, gathered, update, host,
                        reduce_buckets, reduce_scratch, dequantized, allreduce_copy, accumulated, accumulating,
                        buckets_held=stage == 1 and target.grad_accum > 1 and reduce_buckets > 0)
+
+
+def replicated_split(profile: "ActivationProfile", stage: int, tp: int) -> int:
+    """ZeRO-3 under AutoTP: the elements of the replicated parameters (profile.replicated: embeddings, norms) that
+    one rank does not hold in its partition. DeepSpeed 0.19.8 partitions them over the TP ranks too, while the TP
+    shards stay whole on a data-parallel rank of one, and keeps every replicated parameter whole beside its
+    partition (`persistent`). So parameters, gradients, optimizer states and host bytes hold 1/tp of them.
+    Measured on 2 gloo CPU ranks, TP 2 (one data-parallel rank): every term exact; with more data-parallel
+    ranks not measured (the same 1/tp assumed, on top of ZeRO's own split). Not measured on GPU."""
+    if stage != 3 or tp <= 1 or not profile.replicated:
+        return 0
+    return profile.replicated - -(-profile.replicated // tp)
 
 
 def offloaded(section) -> bool:
@@ -187,8 +202,22 @@ def zero3_buffers(profile: "ActivationProfile", ds_config: dict, zero, c: int, w
         # max_reuse_distance elements of the trace (forward and backward: ~2n); within reach, every
         # non-persistent parameter stays whole from its forward to its backward (measured, 2 ranks,
         # DeepSpeed 0.19.8). In a world of one the H100 calibration above holds (not re-measured).
-        gathered = max(gathered, c * (n - small))
+        gathered = max(gathered, c * (n - small) + prefetch_buffer(profile, zero, c, n - small))
     return buckets, persistent, gathered
+
+
+def prefetch_buffer(profile: "ActivationProfile", zero, c: int, gatherable: int) -> int:
+    """ZeRO-3: the flat buffer of one prefetch all-gather, alive beside the parameters it gathered.
+
+    DeepSpeed (partition_parameters.AllGatherCoalescedHandle, 0.19.8) gathers a prefetch bucket into one flat
+    tensor and gives each parameter a copy of its slice (torch.cat) as it is waited for; the flat tensor lives
+    until the bucket's last parameter is waited for. A bucket closes on the parameter that takes it to
+    stage3_prefetch_bucket_size elements, so it holds less than that plus the largest parameter: counted so, an
+    upper bound (measured 2 ranks on CPU: 492,032 B alive at the peak, a 123,008-element bucket of a 100,000
+    one). The same code runs on a GPU (not measured on GPU)."""
+    if zero.prefetch_bucket_size <= 0:
+        return 0
+    return c * min(int(zero.prefetch_bucket_size) + largest_param(profile), gatherable)
 
 
 def reduce_buffers(profile: "ActivationProfile", zero, c: int, world: int, offload_opt: bool) -> tuple[int, int]:

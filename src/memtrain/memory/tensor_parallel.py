@@ -48,6 +48,17 @@ def shard_lm_head(profile, config, tp: int):
                    param_sizes=tuple(sorted((k, v) for k, v in sizes.items() if v)))
 
 
+def mark_replicated(profile, config, tp: int):
+    """The profile with the elements AutoTP leaves whole on every TP rank: the input embedding and every
+    hidden-sized weight (the norms), and a tied LM head (it stays with the embedding). Call after
+    `shard_lm_head`: an untied head is sharded, so it is not among them."""
+    if tp <= 1 or not supports(config):
+        return profile
+    embedding = config.vocab_size * config.hidden_size
+    norms = sum(count for numel, count in profile.param_sizes if numel == config.hidden_size)
+    return replace(profile, replicated=embedding + norms * config.hidden_size)
+
+
 def partition_inputs(profile, tp: int):
     """DeepSpeed keeps 1/tp of each checkpointed input (full layers, attention or MLP sublayers) on a
     rank; the recompute gathers the whole input back for its backward."""
