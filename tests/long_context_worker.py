@@ -1,4 +1,4 @@
-"""Run by tests/launch/test_long_context.py under the real deepspeed launcher with 2 gloo ranks.
+"""Run by tests/launch/test_long_context.py under make train's launcher with 2 gloo ranks.
 
 One launch, several engines in one process group, each compared against a plain-torch reference
 that runs first on every rank (one process, whole batches, full sequences, HF's own forward and

@@ -1,4 +1,4 @@
-"""Run by tests/launch/test_tensor_parallel.py under the real `deepspeed` launcher (2 gloo ranks): several
+"""Run by tests/launch/test_tensor_parallel.py under make train's launcher (2 gloo ranks): several
 tensor-parallel checks in one launch (each launch costs ~30 s before its first step). Rank 0 writes
 the measured numbers to the JSON file named by argv[1]; the test asserts on them.
 

@@ -13,12 +13,13 @@ MARK = "=== trainer_runs_worker: run "  # the worker's line before each run (ran
 
 
 def run_in_one_launch(steps: list, spec: Path, nproc: int = 2, timeout: float = 600,
-                      env=None) -> list[subprocess.CompletedProcess]:
+                      env=None, launcher=None) -> list[subprocess.CompletedProcess]:
     """Run `steps` (the worker's list: {"argv": [...]} runs and {"cut_back": [...]} copies) in one launch with
-    nproc ranks (0: plain python, one rank); one CompletedProcess per run, with that run's stdout and stderr (the
-    launcher's own lines before the first run go to the first) and the launch's return code."""
+    nproc ranks (0: plain python, one rank; `launcher`: another launcher's words, as launching.launch_cmd takes);
+    one CompletedProcess per run, with that run's stdout and stderr (the launcher's own lines before the first run
+    go to the first) and the launch's return code."""
     spec.write_text(json.dumps(steps))
-    proc = run_launch(launch_cmd(WORKER, [str(spec)], nproc), timeout=timeout, env=env)
+    proc = run_launch(launch_cmd(WORKER, [str(spec)], nproc, launcher), timeout=timeout, env=env)
     runs = sum("argv" in s for s in steps)
     outs, errs = _split(proc.stdout, runs), _split(proc.stderr, runs)
     return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err) for out, err in zip(outs, errs)]

@@ -82,6 +82,14 @@ def run_all(steps: list) -> None:
         main(item["argv"])
         runs += 1
         _close_log_files()
+        _forget_compiles()
+
+
+def _forget_compiles() -> None:
+    """dynamo's compiled code, guards and compile counts dropped after a compiled run, as a fresh process has none:
+    the next run compiles its own layers and counts its own compiles (memtrain.recompute.compiled)."""
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
 
 
 def _close_log_files() -> None:

@@ -1,11 +1,12 @@
-"""The default job through the real `deepspeed` launcher: 2 CPU ranks (gloo), ZeRO-3; the same job without AC through
-make train's launcher (memtrain.train.launch, which starts the CPU ranks itself)."""
+"""The default job through the real `deepspeed` launcher: 2 CPU ranks (gloo), ZeRO-3; then the same job without AC in
+the same launch (tests/trainer_runs.py: one start-up for both)."""
 import json
 
 import pytest
 
-from conftest import MAKE_TRAIN_LAUNCHER, ROOT, assert_ok, run_train
+from conftest import ROOT, assert_ok
 from memtrain.tools.tb import read_scalars
+from trainer_runs import run_in_one_launch
 
 CONTRACT_TAGS = {
     "train/loss", "train/lr", "throughput/tokens_per_s", "throughput/samples_per_s",
@@ -16,15 +17,14 @@ CONTRACT_TAGS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The default `make train` job with AC on, and the same job with ZeRO-3 and no AC."""
-    out = {}
-    for name, ds, launcher in [("ac", "zero3_ckpt.json", None), ("noac", "zero3_noac.json", MAKE_TRAIN_LAUNCHER)]:
-        run_dir = tmp_path_factory.mktemp(name) / "run"
-        proc = run_train(["--deepspeed", str(ROOT / "ds_configs" / ds), "--run-dir", str(run_dir)], nproc=2,
-                         launcher=launcher)
+    """The default `make train` job with AC on, and the same job with ZeRO-3 and no AC, in one launch."""
+    tmp = tmp_path_factory.mktemp("runs")
+    jobs = {"ac": "zero3_ckpt.json", "noac": "zero3_noac.json"}
+    procs = run_in_one_launch([{"argv": ["--deepspeed", str(ROOT / "ds_configs" / ds), "--run-dir", str(tmp / name)]}
+                               for name, ds in jobs.items()], tmp / "runs.json")
+    for proc in procs:
         assert_ok(proc)
-        out[name] = (run_dir, proc)
-    return out
+    return {name: (tmp / name, proc) for name, proc in zip(jobs, procs)}
 
 
 def test_default_job_trains_and_writes_run_dir(runs):

@@ -1,8 +1,8 @@
 """Long sequences: the fused loss, tiled MLPs and Ulysses sequence parallelism.
 
 Single-process tests compare memtrain's code with HF's own forward and loss (an independent
-implementation) and measure peaks with torch's MemTracker. One launch with the real deepspeed
-launcher and 2 gloo ranks (tests/long_context_worker.py) checks ZeRO-1/2/3, sequence parallelism,
+implementation) and measure peaks with torch's MemTracker. One launch with make train's launcher
+and 2 gloo ranks (tests/long_context_worker.py) checks ZeRO-1/2/3, sequence parallelism,
 tied embeddings and ignored labels against a plain-torch reference, then runs the trainer.
 """
 import json
@@ -10,7 +10,7 @@ import json
 import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the stream it first sees
 import pytest
 
-from conftest import ROOT, eval_loss_by_hand, launch_cmd, run_launch
+from conftest import MAKE_TRAIN_LAUNCHER, ROOT, eval_loss_by_hand, launch_cmd, run_launch
 from families import SP_GQA
 
 
@@ -18,7 +18,7 @@ def test_two_ranks_zero_stages_sequence_parallel_fused_tiled(tmp_path):
     """One launch: SP=2 vs one-rank full sequence for ZeRO-3/2/1 and with LoRA adapters, fused vs standard under
     ZeRO-3 with tied embeddings and ignored labels, slices vs DeepSpeed's adapter, then the trainer."""
     out = tmp_path / "cases.jsonl"
-    proc = run_launch(launch_cmd(ROOT / "tests" / "long_context_worker.py", [str(out)]), timeout=600)
+    proc = run_launch(launch_cmd(ROOT / "tests" / "long_context_worker.py", [str(out)], launcher=MAKE_TRAIN_LAUNCHER), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
     for case in ("dp-fused-z3", "dp-standard-z3", "sp-fused-tiled-z3", "sp-standard-z2", "sp-fused-z1", "sp-lora-z3"):

@@ -20,6 +20,7 @@ from memtrain.errors import UserError
 from memtrain.tools.tb import read_scalars
 from memtrain.train import checkpoint, preflight, reshard
 from memtrain.train.checkpoint import tag_for
+from trainer_runs import run_in_one_launch
 
 STEPS = 8
 ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--set", "train.keep_last=5",
@@ -55,9 +56,15 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
     assert_ok(run_train([*ARGS, "--run-dir", str(whole)], nproc=2, launcher=MAKE_TRAIN_LAUNCHER))
     straight = read_scalars(whole / "tb")
 
-    # 2 ranks -> 1 at step 3: converted by rank 0, grad accumulation doubled to keep the global batch
-    down = _copy_at(whole, tmp_path / "down", 3)
-    resumed = run_train(["--run-dir", str(down), "--resume"])  # one process: the launcher adds nothing to 1 rank
+    # 2 ranks -> 1 at step 3: converted by rank 0, grad accumulation doubled to keep the global batch. One process
+    # (the launcher adds nothing to 1 rank) runs this resume and the other-batch one below (tests/trainer_runs.py):
+    # the second resumes a copy of `down` at step 3, made between the two runs, with the universal copy the first
+    # made (its conversion reused, not made again)
+    down, other = _copy_at(whole, tmp_path / "down", 3), tmp_path / "other-batch"
+    resumed, resumed_other = run_in_one_launch([
+        {"argv": ["--run-dir", str(down), "--resume"]}, {"cut_back": [str(down), str(other), 3]},
+        {"argv": ["--run-dir", str(other), "--resume", "--max-steps", "4", "--set", "train.grad_accum_steps=1"]}],
+        tmp_path / "one-rank.json", nproc=0)
     assert_ok(resumed)
     assert _line(resumed.stdout, "resume overrides:") == (
         "resume overrides: recipe: train.grad_accum_steps 1 -> 2 (keeps the global batch on 1 ranks instead of 2; "
@@ -83,12 +90,10 @@ def test_a_run_resumes_on_another_world_size_as_a_straight_run(tmp_path):
 
     # 2 ranks -> 1 at step 3 with another batch (grad_accum 1: 4 samples a step): step 4 reads the samples after the
     # 24 read, [24, 28); measured against the step-3 weights' loss on those rows, computed here (without the shift
-    # it would read [12, 16), the rows of step 4 of a straight 4-a-step run). A copy of `down`'s step 3: the same
-    # checkpoint, with the universal copy the first resume made (its conversion reused, not made again)
-    other = _copy_at(down, tmp_path / "other-batch", 3)
-    resumed = run_train(["--run-dir", str(other), "--resume", "--max-steps", "4", "--set", "train.grad_accum_steps=1"])
-    assert_ok(resumed)
-    assert _line(resumed.stdout, "resume data:") == (
+    # it would read [12, 16), the rows of step 4 of a straight 4-a-step run)
+    assert_ok(resumed_other)
+    assert "reusing the conversion made earlier (it took " in _line(resumed_other.stdout, "resume: ")
+    assert _line(resumed_other.stdout, "resume data:") == (
         "resume data: 24 samples read in 3 steps; step 4 reads samples [24, 28) (4 a step), the rows a straight run "
         "of this batch reads at step 7")
     [(step, loss)] = read_scalars(other / "tb")["train/loss"]

@@ -1,5 +1,6 @@
-"""A run stopped by a signal and resumed equals an uninterrupted run, bit for bit (2 CPU ranks: DeepSpeed's runner
-starts the compiled runs; make train's launcher starts the eager runs whose claim is not about a launcher).
+"""A run stopped by a signal and resumed equals an uninterrupted run, bit for bit (2 CPU ranks under make train's
+launcher wherever a claim is not about a launcher; the straight run and the resume share one launch,
+tests/trainer_runs.py).
 
 Attention dropout is on, so every step draws from the torch RNG: a resume that did not restore the
 RNG streams would draw other masks and lose bit-equality from the first resumed step. The first test's layers are
@@ -15,6 +16,7 @@ import pytest
 
 from conftest import (EVAL_PATHS, FAST, MAKE_TRAIN_LAUNCHER, TRAIN, ROOT, Launch, _env, _workers, assert_ok,
                       eval_loss_by_hand, launch_cmd, processes, run_train)
+from trainer_runs import run_in_one_launch
 from memtrain.train.checkpoint import tag_for
 from memtrain.tools.tb import read_scalars
 
@@ -31,7 +33,7 @@ ARGS = [*FAST, "--max-steps", str(STEPS), "--set", "train.save_interval=3", "--s
 def _preempted_run(run_dir: Path) -> subprocess.CompletedProcess:
     """Launch 2 ranks; once the step-3 checkpoint is complete, SIGTERM rank 1 only (as a scheduler would
     signal some task): every rank must stop together at the next step boundary and save."""
-    with Launch(launch_cmd(TRAIN, [*ARGS, "--run-dir", str(run_dir)])) as launch:
+    with Launch(launch_cmd(TRAIN, [*ARGS, "--run-dir", str(run_dir)], launcher=MAKE_TRAIN_LAUNCHER)) as launch:
         proc = launch.proc
         deadline = time.time() + 600
         while not (run_dir / "checkpoints" / tag_for(3)).is_dir():
@@ -44,14 +46,6 @@ def _preempted_run(run_dir: Path) -> subprocess.CompletedProcess:
 
 def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
-    straight = run_train([*ARGS, "--run-dir", str(whole)], nproc=2)
-    assert_ok(straight)
-    assert "compile: each decoder layer's forward under torch.compile" in straight.stdout
-    assert "0 recompiles after the warm-up" in straight.stdout
-    assert json.loads((whole / "summary.json").read_text())["compile"]["recompiles_after_warmup"] == []
-    _eval_loss_is_the_token_mean_of_final(whole)
-
-    _a_missing_rank_is_damage(whole, tmp_path / "rank1-lost")
     stopped = _preempted_run(split)
     assert_ok(stopped)
     summary = json.loads((split / "summary.json").read_text())
@@ -60,9 +54,19 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
     assert 3 <= stop_step < STEPS, summary
     assert (split / "checkpoints" / "latest").read_text() == tag_for(stop_step)
 
-    # --resume alone continues the run as it was started (every flag above is in its config.json); a flag given
-    # changes it and is listed in one line
-    resumed = run_train(["--run-dir", str(split), "--resume", "--set", "train.save_interval=4"], nproc=2)
+    # one launch: the uninterrupted run, then the resume of the stopped one. --resume alone continues the run as it
+    # was started (every flag above is in its config.json); a flag given changes it and is listed in one line
+    straight, resumed = run_in_one_launch([
+        {"argv": [*ARGS, "--run-dir", str(whole)]},
+        {"argv": ["--run-dir", str(split), "--resume", "--set", "train.save_interval=4"]}],
+        tmp_path / "runs.json", launcher=MAKE_TRAIN_LAUNCHER)
+    assert_ok(straight)
+    assert "compile: each decoder layer's forward under torch.compile" in straight.stdout
+    assert "0 recompiles after the warm-up" in straight.stdout
+    assert json.loads((whole / "summary.json").read_text())["compile"]["recompiles_after_warmup"] == []
+    _eval_loss_is_the_token_mean_of_final(whole)
+    _a_missing_rank_is_damage(whole, tmp_path / "rank1-lost")
+
     assert_ok(resumed)
     assert [line for line in resumed.stdout.splitlines() if line.startswith("resume overrides:")] == [
         "resume overrides: recipe: train.save_interval 3 -> 4"]

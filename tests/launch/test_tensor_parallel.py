@@ -1,7 +1,7 @@
 """Tensor parallelism (DeepSpeed AutoTP), partitioned activation checkpoints and ZeRO-3 initialisation.
 
-One launch of the real `deepspeed` launcher with 2 gloo ranks runs every distributed check
-(tests/tp_worker.py); the tests below assert on what it measured. References are independent of the
+One launch with 2 gloo ranks (make train's launcher: the checks are not about DeepSpeed's runner) runs every
+distributed check (tests/tp_worker.py); the tests below assert on what it measured. References are independent of the
 code under test: a single-process plain-torch TP=1 model (clipped like DeepSpeed), a plain
 transformers build from the same seed, the analytic size of a hidden state, and a walk of the
 autograd graph for what DeepSpeed's checkpoints keep. Bad `autotp_size` values are checked in-process
@@ -17,7 +17,7 @@ import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the
 import pytest
 
 from families import AUTOTP_REFUSED, FAMILIES, overrides
-from conftest import ROOT, _env, eval_loss_by_hand, launch_cmd, run_launch
+from conftest import MAKE_TRAIN_LAUNCHER, ROOT, _env, eval_loss_by_hand, launch_cmd, run_launch
 
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"
 SEQ, MBS, HIDDEN, LAYERS = 32, 2, 64, 2  # tests/tp_worker.py's model and batch
@@ -26,7 +26,7 @@ SEQ, MBS, HIDDEN, LAYERS = 32, 2, 64, 2  # tests/tp_worker.py's model and batch
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "results.json"
-    proc = run_launch(launch_cmd(ROOT / "tests" / "tp_worker.py", [str(out)]), timeout=900, cwd=out.parent)
+    proc = run_launch(launch_cmd(ROOT / "tests" / "tp_worker.py", [str(out)], launcher=MAKE_TRAIN_LAUNCHER), timeout=900, cwd=out.parent)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     results = json.loads(out.read_text())
     results["stdout"] = proc.stdout

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import MAKE_TRAIN_LAUNCHER, ROOT
 from memtrain.config.recipe import ModelSection, load_recipe
 from memtrain.model.build import build_config, build_model
 from memtrain.model.data import prepare_data, save_tokenizer
@@ -75,7 +75,8 @@ def _argv(tmp, data, name, micro, accum, extra):
 
 def _worker(tmp, data, cases, nproc):
     runs = [{"argv": _argv(tmp, data, name, *case), "grads": str(tmp / f"{name}.pt")} for name, case in cases.items()]
-    proc = run_in_one_launch(runs, tmp / f"runs-{nproc}.json", 0 if nproc == 1 else nproc, timeout=300)[-1]
+    proc = run_in_one_launch(runs, tmp / f"runs-{nproc}.json", 0 if nproc == 1 else nproc, timeout=300,
+                             launcher=MAKE_TRAIN_LAUNCHER)[-1]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

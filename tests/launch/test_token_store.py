@@ -177,7 +177,7 @@ store.write_store = slow
 
 
 def test_a_run_builds_its_store_with_worker_processes_and_trains_on_the_split(tmp_path):
-    """2 ranks under the real launcher: the store (3 chunks, 2 worker processes forked from the rank that builds, which
+    """2 ranks under make train's launcher: the store (3 chunks, 2 worker processes forked from the rank that builds, which
     inherit the run's stop-signal handlers) is built before the ranks meet, and the run trains on the train split.
     (A worker that fails, or keeps the run's handler that records SIGTERM, hangs the rank: seen with the initializer
     left out.)
@@ -186,7 +186,7 @@ def test_a_run_builds_its_store_with_worker_processes_and_trains_on_the_split(tm
     meet (they wait on the cache's file lock), so a packing that outlasts train.collective_timeout_s (8 s here, a
     margin for ranks that start seconds apart on shared cores; 20 s of packing, slowed in a sitecustomize) still
     trains. When one rank packed while the others waited in an all-gather, this run died of the timeout."""
-    from conftest import FAST, assert_ok, run_train, sitecustomize_env
+    from conftest import FAST, MAKE_TRAIN_LAUNCHER, assert_ok, run_train, sitecustomize_env
 
     write_corpus(tmp_path / "corpus.jsonl", 10_000_000)
     run = tmp_path / "run"
@@ -196,7 +196,7 @@ def test_a_run_builds_its_store_with_worker_processes_and_trains_on_the_split(tm
                       "--set", "data.workers=2", "--set", "data.eval_fraction=0.1", "--set",
                       f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.save_checkpoints=false",
                       "--set", "train.collective_timeout_s=8", "--max-steps", "2", "--run-dir", str(run)],
-                     nproc=2, timeout=300, env=env)
+                     nproc=2, timeout=300, env=env, launcher=MAKE_TRAIN_LAUNCHER)
     assert_ok(proc)
     (manifest,) = (tmp_path / "cache").glob("store-*/manifest.json")
     assert json.loads(manifest.read_text())["workers"] == 2
