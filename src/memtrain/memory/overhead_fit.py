@@ -4,10 +4,16 @@ Each measured run gives its step's seconds beyond every other term of the model 
 "overhead") and what the overhead term counts (`StepTime.counts`). The rates are the non-negative
 seconds per count that fit those best (least squares over every subset of rates, the best one whose
 rates are all >= 0: exact for the three rates the model has).
+
+Given each run's measured step seconds, the squares are of relative errors (each run's row divided by its step):
+tokens/s and the ranking are relative, and in seconds the slowest runs decide the rates. Measured on the CPU
+proxy (round E, docs/planner-search.md): fitted in seconds, the two 0.8-1 s Ulysses runs (hundreds of
+collective calls) set `layer_s` to 0 and left the 0.13-0.23 s runs, the winner's candidates, up to 40% off.
 """
 from __future__ import annotations
 
 import itertools
+from typing import Optional
 
 import numpy as np
 
@@ -15,14 +21,17 @@ import numpy as np
 RATES = {"layer_calls": "layer_s", "collective_calls": "collective_s", "steps": "step_s"}
 
 
-def fit_overheads(counts: list[dict], extra_seconds: list[float]) -> dict[str, float]:
+def fit_overheads(counts: list[dict], extra_seconds: list[float],
+                  step_seconds: Optional[list[float]] = None) -> dict[str, float]:
     """{sheet figure: seconds per count} minimising the squared error of counts x rates against `extra_seconds`
-    (each run's measured step seconds less the model's other terms), every rate >= 0."""
+    (each run's measured step seconds less the model's other terms), every rate >= 0; with `step_seconds` (each
+    run's measured step), the squared error relative to the step."""
     if len(counts) != len(extra_seconds) or len(counts) < len(RATES):
         raise ValueError(f"fit_overheads: needs at least {len(RATES)} runs with their counts")
     names = list(RATES)
-    a = np.array([[c[n] for n in names] for c in counts], dtype=float)
-    y = np.array(extra_seconds, dtype=float)
+    weight = 1.0 / np.array(step_seconds, dtype=float) if step_seconds is not None else np.ones(len(counts))
+    a = np.array([[c[n] for n in names] for c in counts], dtype=float) * weight[:, None]
+    y = np.array(extra_seconds, dtype=float) * weight
     best, best_err = np.zeros(len(names)), float(y @ y)
     for k in range(1, len(names) + 1):
         for cols in itertools.combinations(range(len(names)), k):

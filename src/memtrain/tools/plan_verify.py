@@ -238,12 +238,13 @@ def calibrate(rows: list[Verified], hw_path: Path, cal_path: Path) -> Optional[s
 
 
 def overhead_figures(done: list[Verified]) -> dict[str, float]:
-    """The overhead rates that fit the measured step seconds beyond the model's other terms."""
-    extra = []
+    """The overhead rates that fit the measured step seconds beyond the model's other terms (relative errors)."""
+    extra, steps = [], []
     for r in done:
         measured_s = r.scored.time.seconds * r.scored.tokens_per_s / r.tokens_per_s
         extra.append(measured_s - (r.scored.time.seconds - r.scored.time.terms.get("overhead", 0.0)))
-    return fit_overheads([r.scored.time.counts for r in done], extra)
+        steps.append(measured_s)
+    return fit_overheads([r.scored.time.counts for r in done], extra, steps)
 
 
 def verify_cli(args, result: SearchResult, recipe, hw, out: Path) -> None:

@@ -191,6 +191,18 @@ def test_overhead_fit_is_the_best_non_negative_fit():
     grid = [i * 2e-4 for i in range(30)], [i * 1e-4 for i in range(10)], [i * 0.01 for i in range(30)]
     assert all(best <= err(g) + 1e-15 for g in itertools.product(*grid))
 
+    # with each run's step seconds: the best fit of relative errors (a step 10x longer weighs no more)
+    steps = [y + 0.05 * (1 + c["collective_calls"] / 10) for y, c in zip(skewed, counts)]
+
+    def rel_err(rates):
+        return sum(((rates[0] * c["layer_calls"] + rates[1] * c["collective_calls"] + rates[2] - y) / t) ** 2
+                   for c, y, t in zip(counts, skewed, steps))
+
+    rel = fit_overheads(counts, skewed, steps)
+    rel_best = rel_err((rel["layer_s"], rel["collective_s"], rel["step_s"]))
+    assert all(v >= 0 for v in rel.values()) and rel != fit
+    assert all(rel_best <= rel_err(g) + 1e-15 for g in itertools.product(*grid))
+
 
 def test_search_drops_what_cannot_run_with_its_reason(tmp_path):
     from memtrain.config.ds_config import load_ds_config
