@@ -47,3 +47,8 @@ if __name__ == "__main__":
     dist.barrier()
     print(f"rank {rank} streamed in {time.perf_counter() - started:.1f} s", flush=True)
     dist.destroy_process_group()
+    # as src/train.py ends: the interpreter's teardown of torch's C++ objects once aborted rank 1 here
+    # ("terminate called without an active exception", exit -6, CI 2026-11-27) after both ranks had streamed
+    from memtrain.quick_exit import quick_exit
+
+    quick_exit()
