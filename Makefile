@@ -131,15 +131,15 @@ gpu-wheels: setup
 	@ls .whl && du -sh .whl
 
 ## test: the whole suite (CPU): tests/unit (in process) and tests/launch (the real launcher, subprocess runs), its files
-## spread over TEST_WORKERS pytest-xdist workers (0: in one process); xdist starts the files with the most tests first,
-## test_zero3_hooks.py's one long launch among them
+## spread over TEST_WORKERS pytest-xdist workers (0: in one process), whole files, the longest first
+## (tests/file_order.py: seconds per file in tests/file_seconds.json)
 test: setup
 	$(BIN)/ruff check -q src tests
-	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not multinode" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 ## test-fast: the unit tier alone (tests/unit: in process, no launcher, no subprocess run), over TEST_WORKERS workers
 test-fast: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/unit $(PYTEST_ARGS)
 
 ## test-multinode: two torchrun agents as two nodes on this machine (tests/launch/test_multinode.py) and the Slurm
 ## lost-rank job; .ci/run runs it after make test. Its 4 tests run at once, one xdist worker each: run one by one,

@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from file_order import pytest_collection_modifyitems, pytest_configure  # noqa: E402,F401  (longest file first)
 from launching import ROOT, TRAIN, Launch, _env, _free_port, launch_cmd, processes, run_launch  # noqa: E402,F401
 
 # Small and fast, but the real model/data/engine path.
