@@ -38,10 +38,16 @@ setup: $(VENV)/.installed
 # Pinned environment. torch==2.13.0 resolves to the CPU build on this kind of machine.
 # Nothing is JIT-built, here or at launch: the trainer tells DeepSpeed to skip its CPU shm comm op
 # (inference-only) and uses torch's AdamW.
+# uv (pinned) installs the same pins as pip, in parallel: 21 s against pip's 103 s on a fresh machine here
+# (reports/readme/test-times.md). uv does not read pip's configuration, so pip's find-links (where a machine keeps
+# its local wheels, e.g. the CPU torch) are passed on.
+UV_VERSION := 0.13.9
+PIP_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
+	$(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(BIN)/uv pip install -q --python $(BIN)/python $(foreach l,$(PIP_LINKS),--find-links $(l)) -r requirements.lock
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
 	touch $@
 
 ## train: the embedded default job (tiny Llama, stdlib text, 2 CPU ranks, ZeRO-3 + full AC)
