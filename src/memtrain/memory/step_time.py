@@ -8,7 +8,8 @@
 * recompute and activation offload: `memtrain.memory.planner.choice_seconds` of each layer's choice
   at the sheet's rates (the same seconds the per-layer solver minimises);
 * a collective: the bytes a rank sends (`memtrain.memory.comm_volume`, ring algorithms) / the link's
-  rate (inside a node or across nodes, by where its group's ranks sit) + a latency per call;
+  rate (inside a node or across nodes, by where its group's ranks sit) + a latency per call; the bytes sent
+  inside the node are kept (`StepTime.intra_bytes`): `plan --verify` fits the intra-node rate to them on a CPU;
 * overlap (an assumption, ZERO_OVERLAP): DeepSpeed runs ZeRO's gathers (prefetch) and gradient
   reductions (overlap_comm) on side streams, hidden behind up to that fraction of the micro-step's
   compute; on a CPU device nothing is hidden (zero_overlap); AutoTP's all-reduces and Ulysses'
