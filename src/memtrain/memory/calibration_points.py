@@ -77,16 +77,21 @@ def pooled(old: list[Point], new: list[Point]) -> list[Point]:
     return [p for p in old if p.key() not in keys] + new
 
 
-def fit_cpu(points: list[Point], sheet_s_per_byte: float) -> tuple[dict[str, float], Optional[float]]:
-    """(overhead figures, the intra-node link's fitted bytes/s or None) from points where nothing is hidden.
+def fit_cpu(points: list[Point], sheet_s_per_byte: float) -> Optional[tuple[dict[str, float], Optional[float]]]:
+    """(overhead figures, the intra-node link's fitted bytes/s or None) from points where nothing is hidden; None
+    with fewer points than the three overhead rates.
 
-    The link's seconds per byte is fitted beside the three overhead rates. Where the fit puts it at 0 (the bytes
-    explain nothing), the link keeps the sheet's rate (`sheet_s_per_byte`) and the three rates are fitted alone."""
+    The link's seconds per byte is fitted beside the three overhead rates when there are more points than rates.
+    Where the fit puts it at 0 (the bytes explain nothing), or with only 3 points, the link keeps the sheet's rate
+    (`sheet_s_per_byte`) and the three rates are fitted alone."""
+    if len(points) < len(RATES):
+        return None
     steps = [p.measured_s for p in points]
-    fit = fit_overheads([p.counts for p in points], [p.measured_s - p.base_s for p in points], steps, link=True)
-    per_byte = fit.pop(LINK["intra_bytes"])
-    if per_byte > 0:
-        return fit, 1.0 / per_byte
+    if len(points) > len(RATES):
+        fit = fit_overheads([p.counts for p in points], [p.measured_s - p.base_s for p in points], steps, link=True)
+        per_byte = fit.pop(LINK["intra_bytes"])
+        if per_byte > 0:
+            return fit, 1.0 / per_byte
     extra = [p.measured_s - p.base_s - p.counts["intra_bytes"] * sheet_s_per_byte for p in points]
     return fit_overheads([p.counts for p in points], extra, steps), None
 

@@ -240,13 +240,7 @@ def calibrate(rows: list[Verified], hw_path: Path, cal_path: Path) -> Optional[s
     mine = [p for p in points if (p.sheet, p.device) == (hw.name, hw.device)]
     what = f"{len(mine)} points of {hw.name} ({len(done)} from this round)"
     if hw.device == "cpu":
-        overhead, link = fit_cpu(mine, 1.0 / hw.intra_bytes_per_s)
-        data["source"] = f"memtrain plan --verify: overhead{' and intra-node link' if link else ''} fitted to {what}"
-        data["overhead"] = changed = {k: float(f"{v:.4g}") for k, v in overhead.items()}
-        if link:
-            data.setdefault("gpu", {})["intra_node_gb_per_s"] = float(f"{link / 1e9:.4g}")
-            data.setdefault("efficiency", {})["intra_node_link"] = 1.0  # the fitted rate is what a call reaches
-            changed = {**changed, "gpu.intra_node_gb_per_s": data["gpu"]["intra_node_gb_per_s"]}
+        changed = cpu_figures(data, mine, hw, what)
     else:
         efficiency = round(pooled_efficiency(mine), 4)
         data["source"] = f"memtrain plan --verify: efficiency.compute, the median over {what}"
@@ -256,7 +250,24 @@ def calibrate(rows: list[Verified], hw_path: Path, cal_path: Path) -> Optional[s
     cal_path.parent.mkdir(parents=True, exist_ok=True)
     cal_path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     load_hardware(hw_path, cal_path)  # the file must load over its sheet
-    return f"{cal_path}: {', '.join(f'{k} {v:g}' for k, v in changed.items())} ({data['source']})"
+    return f"{cal_path}: {', '.join(f'{k} {v:g}' for k, v in changed.items()) or 'figures unchanged'} ({data['source']})"
+
+
+def cpu_figures(data: dict, points: list[Point], hw: Hardware, what: str) -> dict:
+    """Into the calibration file's `data`: the overhead rates and the link's rate fitted to `points`; unchanged with
+    too few points (they wait for the next round). Returns the figures it set."""
+    fitted = fit_cpu(points, 1.0 / hw.intra_bytes_per_s)
+    if fitted is None:
+        data["source"] = f"memtrain plan --verify: {what}; too few to fit the overhead (3 needed)"
+        return {}
+    overhead, link = fitted
+    data["source"] = f"memtrain plan --verify: overhead{' and intra-node link' if link else ''} fitted to {what}"
+    data["overhead"] = changed = {k: float(f"{v:.4g}") for k, v in overhead.items()}
+    if link:
+        data.setdefault("gpu", {})["intra_node_gb_per_s"] = float(f"{link / 1e9:.4g}")
+        data.setdefault("efficiency", {})["intra_node_link"] = 1.0  # the fitted rate is what a call reaches
+        changed = {**changed, "gpu.intra_node_gb_per_s": data["gpu"]["intra_node_gb_per_s"]}
+    return changed
 
 
 def point_of(r: Verified, hw: Hardware) -> Point:

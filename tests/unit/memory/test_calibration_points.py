@@ -75,7 +75,8 @@ def _figures(sheet, cal) -> np.ndarray:
 def test_pooling_two_rounds_fits_their_union(tmp_path):
     """Round 1, then round 2 into the same file: the figures are numpy's fit of both rounds' runs together (not
     round 2's alone), every point is kept, the fitted link rate is marked as the calibration's in the figures used,
-    and an old file without points still loads and is pooled from its first round on."""
+    and an old file without points still loads and is pooled from its first round on. Fewer points than rates:
+    no fit (no traceback), the points kept."""
     from memtrain.memory.hardware import load_hardware
     from memtrain.tools.plan_verify import calibrate
 
@@ -101,6 +102,14 @@ def test_pooling_two_rounds_fits_their_union(tmp_path):
     calibrate(second, sheet, cal)
     assert len(yaml.safe_load(cal.read_text())["points"]) == len(first) + len(second)
     assert _figures(sheet, cal) == pytest.approx(pooled, rel=2e-3)
+
+    # too few points to fit: kept, figures unchanged; 3 points fit the three overhead rates, the link stays the sheet's
+    few = tmp_path / "few.yaml"
+    assert "figures unchanged" in calibrate(first[:2], sheet, few)
+    assert "overhead" not in yaml.safe_load(few.read_text()) and len(yaml.safe_load(few.read_text())["points"]) == 2
+    calibrate(second[:1], sheet, few)
+    assert set(yaml.safe_load(few.read_text())) == {"source", "overhead", "points"}
+    assert load_hardware(sheet, few).origin["gpu.intra_node_gb_per_s"] == "sheet"
 
 
 def test_pooled_gpu_efficiency_and_bad_points_are_one_line(tmp_path):
