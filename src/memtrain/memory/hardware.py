@@ -2,7 +2,8 @@
 
 A sheet holds datasheet figures (each with its source in a comment in the file); a calibration file
 (`hardware/calibration/<name>.yaml`, or a path given on the command line) overrides any subset of them
-with measured ones. Every figure remembers where it came from ("sheet" or the calibration file), and
+with measured ones, and keeps the measured points `plan --verify` fitted them from (`points:`,
+`memtrain.memory.calibration_points`). Every figure remembers where it came from ("sheet" or the calibration file), and
 the plan prints that. A mistake in either file is one line naming the file and key.
 """
 from __future__ import annotations
@@ -154,9 +155,11 @@ def load_hardware(path: str | Path, calibration: Optional[str | Path] = None) ->
     if calibration or cal_path.is_file():
         cal = _read(cal_path, "calibration file")
         cal.pop("source", None)
+        if not isinstance(cal.pop("points", None) or [], list):  # the measured points it was fitted from (calibration_points)
+            raise UserError(f"{cal_path}: points: expected a list of measured points")
         for section, values in cal.items():
             if section not in SECTIONS:
-                raise UserError(f"{cal_path}: unknown key '{section}'; allowed: source, {', '.join(SECTIONS)}")
+                raise UserError(f"{cal_path}: unknown key '{section}'; allowed: source, points, {', '.join(SECTIONS)}")
             if not isinstance(values, dict):
                 raise UserError(f"{cal_path}: {section}: expected a mapping of figures")
             for key, value in values.items():

@@ -8,7 +8,8 @@
 * recompute and activation offload: `memtrain.memory.planner.choice_seconds` of each layer's choice
   at the sheet's rates (the same seconds the per-layer solver minimises);
 * a collective: the bytes a rank sends (`memtrain.memory.comm_volume`, ring algorithms) / the link's
-  rate (inside a node or across nodes, by where its group's ranks sit) + a latency per call;
+  rate (inside a node or across nodes, by where its group's ranks sit) + a latency per call; the bytes sent
+  inside the node are kept (`StepTime.intra_bytes`): `plan --verify` fits the intra-node rate to them on a CPU;
 * overlap (an assumption, ZERO_OVERLAP): DeepSpeed runs ZeRO's gathers (prefetch) and gradient
   reductions (overlap_comm) on side streams, hidden behind up to that fraction of the micro-step's
   compute; on a CPU device nothing is hidden (zero_overlap); AutoTP's all-reduces and Ulysses'
@@ -65,6 +66,11 @@ class StepTime:
     # what the overhead term counts over the step: "layer_calls" (decoder layers' forward-and-backward calls,
     # recompute's share included), "collective_calls" (calls in groups of more than one rank), "steps" (1)
     counts: dict[str, float] = field(default_factory=dict)
+    # bytes one rank sends over the intra-node link over the step (groups of more than one rank inside a node):
+    # what `plan --verify` fits the link's seconds per byte to (overhead_fit.LINK); and their seconds at the
+    # sheet's rate, in the terms above (hidden or not)
+    intra_bytes: float = 0.0
+    intra_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -108,6 +114,16 @@ def overhead_counts(layout: Layout, collectives: list[Collective], modes: tuple[
     return {"layer_calls": grad_accum * layer_calls(modes), "collective_calls": float(calls), "steps": 1.0}
 
 
+def intra_bytes(layout: Layout, collectives: list[Collective], grad_accum: int) -> float:
+    """Bytes one rank sends over the step on links inside its node (StepTime.intra_bytes)."""
+    total = 0.0
+    for c in collectives:
+        n, _ = layout.group(c.group)
+        if n > 1 and not layout.crosses_nodes(c.group):
+            total += c.sent(n) * (grad_accum if c.phase == MICRO else 1)
+    return total
+
+
 def overhead_seconds(hw: Hardware, counts: dict) -> float:
     return (hw.overhead_layer_s * counts["layer_calls"] + hw.overhead_collective_s * counts["collective_calls"]
             + hw.overhead_step_s * counts["steps"])
@@ -128,6 +144,7 @@ def step_time(hw: Hardware, layout: Layout, collectives: list[Collective], model
         else:
             stepwise += s
     counts = overhead_counts(layout, collectives, modes, grad_accum)
+    sent = intra_bytes(layout, collectives, grad_accum)
     hidden = min(per["zero"], zero_overlap(hw) * compute)
     return StepTime({
         "compute": grad_accum * compute,
@@ -138,4 +155,4 @@ def step_time(hw: Hardware, layout: Layout, collectives: list[Collective], model
         "offload_copies": (grad_accum * host_copy_micro + host_copy_step) / hw.host_bytes_per_s,
         "optimizer": optimizer_s,
         "overhead": overhead_seconds(hw, counts),
-    }, counts)
+    }, counts, sent, sent / hw.intra_bytes_per_s)

@@ -10,14 +10,17 @@ Each configuration is written as `plans/<name>/verify/<i>/ds.json` + `recipe.yam
 winner) and a one-point sweep file beside them, run by `memtrain.tools.sweep.run_sweep` with the local launcher
 (`deepspeed`, one process per GPU, or gloo ranks on a CPU machine) or Slurm (`--launcher slurm`). The measured figures
 are the runs' own summary.json: `throughput/tokens_per_s` (median after warm-up) and `memory/peak_allocated_gib`
-(CUDA's allocator; a CPU run has none). Measured runs on the sheet's device feed its calibration file: a GPU
-sheet's `efficiency.compute` scaled by the median of measured over predicted tokens/s; a CPU sheet's (the CPU
-proxy) overhead rates, fitted to the measured steps.
+(CUDA's allocator; a CPU run has none). Measured runs on the sheet's device feed its calibration file: each
+configuration becomes a point appended to the file's earlier ones (`memtrain.memory.calibration_points`), and the
+figures are fitted again on every point of the sheet: a GPU sheet's `efficiency.compute` (the median of the
+points' measured over predicted, put on compute); a CPU sheet's (the CPU proxy) overhead rates and intra-node link
+rate, fitted to the measured steps.
 """
 from __future__ import annotations
 
 import random
 import statistics
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -28,11 +31,11 @@ from memtrain.errors import UserError
 from memtrain.memory.score import Scored
 from memtrain.memory.search import SearchResult
 from memtrain.units import GIB
-from memtrain.memory.hardware import calibration_path, load_hardware
-from memtrain.memory.overhead_fit import fit_overheads
+from memtrain.memory.calibration_points import Point, fit_cpu, pooled, pooled_efficiency, read_points, to_yaml
+from memtrain.memory.hardware import Hardware, calibration_path, load_hardware
 from memtrain.tools.plan_search import write_plan
 from memtrain.tools.sweep import run_sweep
-from memtrain.tools.sweep_points import load_sweep, read_summary
+from memtrain.tools.sweep_points import RunDir, load_sweep, read_summary
 
 RANDOM_EXTRA = 3  # random feasible configurations beside the top K: the ranking is checked below the top too
 
@@ -47,6 +50,7 @@ class Verified:
     peak: Optional[int]  # measured max_memory_allocated (bytes); None on CPU
     device: Optional[str]
     samples: tuple[float, ...] = ()  # every repeat's measured tokens/s (tokens_per_s is their median)
+    date: str = ""  # when its (last) run finished, UTC: its summary.json's time
 
     @property
     def spread(self) -> float:
@@ -133,7 +137,15 @@ def measured(result: SearchResult, i: int, run_dir: Path) -> Verified:
     device = summary.get("device")
     return Verified(result.scored[i], i + 1, run_dir, summary.get("status", "not run"),
                     metrics.get("throughput/tokens_per_s"),
-                    int(peak_gib * GIB) if peak_gib and device == "cuda" else None, device)
+                    int(peak_gib * GIB) if peak_gib and device == "cuda" else None, device, date=finished(run_dir))
+
+
+def finished(run_dir: Path) -> str:
+    """When a run wrote its summary.json (UTC, to the minute); '' without one."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.gmtime(RunDir(run_dir).summary_file.stat().st_mtime))
+    except OSError:
+        return ""
 
 
 def combined(runs: list[Verified]) -> Verified:
@@ -146,7 +158,7 @@ def combined(runs: list[Verified]) -> Verified:
     samples = tuple(r.tokens_per_s for r in done)
     peaks = [r.peak for r in done if r.peak]
     return replace(first, status=status, tokens_per_s=statistics.median(samples), samples=samples,
-                   peak=max(peaks) if peaks else None)
+                   peak=max(peaks) if peaks else None, date=max(r.date for r in done))
 
 
 def run_verify(result: SearchResult, recipe, out: Path, k: int, steps: int, launcher: Optional[str],
@@ -211,40 +223,63 @@ def noise_line(done: list[Verified]) -> str:
 
 
 def calibrate(rows: list[Verified], hw_path: Path, cal_path: Path) -> Optional[str]:
-    """Feed the calibration file from measured runs on the sheet's device; None (nothing written) without one.
+    """Append the runs measured on the sheet's device to the calibration file's points and fit its figures again on
+    every point of this sheet (`memtrain.memory.calibration_points`); None (nothing written) without such a run.
 
-    A GPU sheet: `efficiency.compute` scaled by the median measured/predicted tokens/s (the whole step's ratio
-    put on its compute term: close where compute binds). A CPU sheet (the CPU proxy): the overhead rates fitted
-    to what the measured steps took beyond the model's other terms (`memtrain.memory.overhead_fit`)."""
+    A GPU sheet: `efficiency.compute`, the median over the points of the sheet's efficiency scaled by measured over
+    predicted tokens/s (the whole step's ratio put on its compute term: close where compute binds). A CPU sheet
+    (the CPU proxy, nothing hidden): the overhead rates and the intra-node link's rate, fitted to what the measured
+    steps took beyond the model's other terms, in errors relative to each step."""
     hw = load_hardware(hw_path, cal_path if cal_path.is_file() else None)
     done = [r for r in rows if r.tokens_per_s and r.device == hw.device]
     if not done:
         return None
     data = yaml.safe_load(cal_path.read_text(encoding="utf-8")) if cal_path.is_file() else {}
     data = data if isinstance(data, dict) else {}
+    points = pooled(read_points(data.pop("points", None), cal_path), [point_of(r, hw) for r in done])
+    mine = [p for p in points if (p.sheet, p.device) == (hw.name, hw.device)]
+    what = f"{len(mine)} points of {hw.name} ({len(done)} from this round)"
     if hw.device == "cpu":
-        figures = overhead_figures(done)
-        data["source"] = f"memtrain plan --verify: overhead fitted to {len(done)} measured CPU runs"
-        data["overhead"] = {k: float(f"{v:.4g}") for k, v in figures.items()}
+        changed = cpu_figures(data, mine, hw, what)
     else:
-        ratio = statistics.median(r.tokens_per_s / r.scored.tokens_per_s for r in done)
-        data["source"] = f"memtrain plan --verify: {len(done)} measured runs, median measured/predicted {ratio:.3f}"
-        data.setdefault("efficiency", {})["compute"] = round(hw.compute_efficiency * ratio, 4)
+        efficiency = round(pooled_efficiency(mine), 4)
+        data["source"] = f"memtrain plan --verify: efficiency.compute, the median over {what}"
+        data.setdefault("efficiency", {})["compute"] = efficiency
+        changed = {"efficiency.compute": efficiency}
+    data["points"] = [to_yaml(p) for p in points]
     cal_path.parent.mkdir(parents=True, exist_ok=True)
     cal_path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     load_hardware(hw_path, cal_path)  # the file must load over its sheet
-    changed = data["overhead"] if hw.device == "cpu" else {"efficiency.compute": data["efficiency"]["compute"]}
-    return f"{cal_path}: {', '.join(f'{k} {v:g}' for k, v in changed.items())} ({data['source']})"
+    return f"{cal_path}: {', '.join(f'{k} {v:g}' for k, v in changed.items()) or 'figures unchanged'} ({data['source']})"
 
 
-def overhead_figures(done: list[Verified]) -> dict[str, float]:
-    """The overhead rates that fit the measured step seconds beyond the model's other terms (relative errors)."""
-    extra, steps = [], []
-    for r in done:
-        measured_s = r.scored.time.seconds * r.scored.tokens_per_s / r.tokens_per_s
-        extra.append(measured_s - (r.scored.time.seconds - r.scored.time.terms.get("overhead", 0.0)))
-        steps.append(measured_s)
-    return fit_overheads([r.scored.time.counts for r in done], extra, steps)
+def cpu_figures(data: dict, points: list[Point], hw: Hardware, what: str) -> dict:
+    """Into the calibration file's `data`: the overhead rates and the link's rate fitted to `points`; unchanged with
+    too few points (they wait for the next round). Returns the figures it set."""
+    fitted = fit_cpu(points, 1.0 / hw.intra_bytes_per_s)
+    if fitted is None:
+        data["source"] = f"memtrain plan --verify: {what}; too few to fit the overhead (3 needed)"
+        return {}
+    overhead, link = fitted
+    data["source"] = f"memtrain plan --verify: overhead{' and intra-node link' if link else ''} fitted to {what}"
+    data["overhead"] = changed = {k: float(f"{v:.4g}") for k, v in overhead.items()}
+    if link:
+        data.setdefault("gpu", {})["intra_node_gb_per_s"] = float(f"{link / 1e9:.4g}")
+        data.setdefault("efficiency", {})["intra_node_link"] = 1.0  # the fitted rate is what a call reaches
+        changed = {**changed, "gpu.intra_node_gb_per_s": data["gpu"]["intra_node_gb_per_s"]}
+    return changed
+
+
+def point_of(r: Verified, hw: Hardware) -> Point:
+    """A measured configuration as a calibration point: its median step, and the model's terms under `hw` (the
+    figures it was scored with) beside the overhead and the intra-node link's bytes, which the CPU fit refits (on a
+    GPU, where overlap hides part of the bytes, `base_s` is not used)."""
+    t = r.scored.time
+    measured_s = t.seconds * r.scored.tokens_per_s / r.tokens_per_s
+    base = t.seconds - t.terms.get("overhead", 0.0) - t.intra_s
+    return Point(r.scored.config.label(), hw.name, hw.device, r.date or time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                 measured_s, r.spread, max(len(r.samples), 1), base,
+                 hw.compute_efficiency * t.seconds / measured_s, {**t.counts, "intra_bytes": t.intra_bytes})
 
 
 def verify_cli(args, result: SearchResult, recipe, hw, out: Path) -> None:

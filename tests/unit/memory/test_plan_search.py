@@ -162,7 +162,9 @@ def test_step_time_terms_by_hand(tmp_path):
     cpu = load_hardware(ROOT / "reports" / "readme" / "cpu-proxy" / "cpu-2.yaml")
     t = step_time(cpu, Layout(2, 2), [micro], model_flops=1e12, ac_seconds=0.0, grad_accum=2, optimizer_s=0.0)
     assert t.terms["compute"] > 100 * t.terms["zero_comm"] > 0
-    assert t.terms["zero_comm"] == pytest.approx(2 * (1e6 / 2 / (18.2e9 * 1.0) + 5 * LATENCY_S[False]))
+    assert t.terms["zero_comm"] == pytest.approx(2 * (1e6 / 2 / cpu.intra_bytes_per_s + 5 * LATENCY_S[False]))
+    assert cpu.intra_bytes_per_s == 0.7e9  # gloo's measured rate (cpu-2.yaml), not the copy rate
+    assert t.intra_bytes == 2 * 1e6 / 2  # what --verify fits the link's rate to: 2 micro-steps' reduce-scatter sent
 
 
 def test_overhead_fit_is_the_best_non_negative_fit():
