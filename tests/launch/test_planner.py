@@ -95,21 +95,21 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # one optimizer step's collectives (the first step's update, the second step's micro-steps), counted on
         # torch.distributed as DeepSpeed calls it, against memtrain.memory.comm_volume: every gather and reduction
         # exact, micro-batch 2 and gradient accumulation 2 included (frozen weights: only the trained ones are reduced
-        # and gathered; ZeRO-3 re-gathers its persistent parameters after each update). ZeRO-3 also broadcast 2,168 B
-        # in the step of the accumulation-1 cells (not traced to its source; not in comm_volume). AutoTP: each layer's
-        # 2 forward and 5 backward all-reduces, the LM head's padded logits gather and input gradient; Ulysses: the
-        # all-to-alls and each attention's position ids gather; a group of one moves nothing and is not counted.
-        # ZeRO-3 under AutoTP also reduces the replicated parameters' gradients over the TP group every micro-step and
-        # gathers them once a step: not in comm_volume, and exactly the replicated bytes it keeps whole (persistent)
+        # and gathered; ZeRO-3 re-gathers its persistent parameters after each update). AutoTP: each layer's 2 forward
+        # and 5 backward all-reduces, the LM head's padded logits gather and input gradient; ZeRO-3 under AutoTP also
+        # reduce-scatters the replicated parameters' gradients over the TP ranks every micro-step and gathers them
+        # once a step (comm_volume.replicated_collectives, 136,192 B each here); Ulysses: the all-to-alls and each
+        # attention's position ids gather; a group of one moves nothing and is not counted.
+        # The only other bytes: ZeRO-3's one check of its recorded trace, a broadcast at the second forward of the run
+        # (in the window with accumulation 1): once a run, not a step's cost, so not in comm_volume; its bytes from
+        # DeepSpeed's own trace (ds_model_states.trace_check_bytes: 2,168 B without AutoTP, 1,400 B with it)
         for case, r in result.items():
             m, p = r["collectives"]["measured"], r["collectives"]["predicted"]
-            replicated = r["measured"]["persistent"] if case.startswith("3") and "tp2" in case else 0
-            micro_steps = 2 if "ga2" in case else 1
-            assert m["reduce"] == p["reduce"] + micro_steps * replicated, (rank, case, m, p)
-            assert m["gather"] == p["gather"] + replicated and m["all_to_all"] == p["all_to_all"], (rank, case, m, p)
-            assert ("tp2" not in case or (p["reduce"] > 0 and (replicated > 0) == case.startswith("3"))) and \
-                ("sp2" not in case or p["all_to_all"] > 0), (rank, case, m, p)
-            assert m["other"] < 4096 if case.startswith("3") else m["other"] == 0, (rank, case, m, p)
+            assert {k: m[k] for k in p} == p, (rank, case, m, p)
+            assert ("tp2" not in case or p["reduce"] > 0) and ("sp2" not in case or p["all_to_all"] > 0), (rank, case, p)
+            trace_check = m["trace_check"] if case.startswith("3") and "ga2" not in case else 0
+            assert m["other"] == trace_check and (trace_check > 0) == (case.startswith("3") and "ga2" not in case), \
+                (rank, case, m)
         # the step's peak of CPU tensor bytes (the second step, the highest of its micro-steps: bytes alive before one
         # plus the CPU allocator's highest rise in it, from torch.profiler's memory events) against
         # memtrain.memory.predict's peak; on CPU the host's part (offloaded states) is the same memory, so it is added.

@@ -153,7 +153,8 @@ def model_shape(config, profile: ActivationProfile, target: Target, persistent: 
                       getattr(text, "num_key_value_heads", None) or heads,
                       getattr(text, "head_dim", None) or text.hidden_size // heads, profile.num_params, persistent,
                       target.trained(profile.num_params),
-                      target.tp > 1 and not getattr(text, "tie_word_embeddings", False) and supports(text))
+                      target.tp > 1 and not getattr(text, "tie_word_embeddings", False) and supports(text),
+                      profile.replicated, target.trained(profile.replicated))
 
 
 _ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
