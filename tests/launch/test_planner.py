@@ -59,8 +59,8 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
     assert_ok(proc)
     exact = {"params": "params", "grads": "grads", "optimizer": ("master", "adam"), "buckets": "buckets",
              "persistent": "persistent", "host": "host", "reduce_buckets": "reduce_buckets"}
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, result in enumerate(results):
         assert list(result) == STATE_CASES
         for case, r in result.items():
             m, p = r["measured"], r["predicted"]
@@ -114,18 +114,15 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # plus the CPU allocator's highest rise in it, from torch.profiler's memory events) against
         # memtrain.memory.predict's peak; on CPU the host's part (offloaded states) is the same memory, so it is added.
         # Measured 2026-11-27 (docs/planner-search.md): ZeRO-0 within 0.01% (its all-reduce's flat gradient copy after
-        # the backward); ZeRO-3 and the offloaded ZeRO-1/2 cells -3.9% to +2.7%, accumulation 2 included (the issue
-        # asks 3%); ZeRO-1/2 without offload over by up to 11.2% with accumulation 1 (reduce buckets and scratch
-        # counted at a peak where DeepSpeed held less) and by up to 13.3% with accumulation 2 (memtrain.memory.states
-        # .accumulation: ZeRO-1's whole .grads and the boundary's partition, ZeRO-2's second partition, each counted
-        # through the whole backward; it was 13.6% under without them): an upper bound there, never under
-        # AutoTP and Ulysses (measured 2026-11-27, three launches): -1.1% to +0.8% under offloaded ZeRO-2 with TP 2
-        # (ZeRO-3 with TP 2: below), +0.5% to +2.9% offloaded with SP 2; ZeRO-1/2 without offload over by 2.6% to
-        # 6.5% (as above: traced at 07:06, the peak comes in a layer's backward matmul with the gradient partition
-        # and both ipg buckets alive, but not the reduction's flatten copy the model adds, and rank 1 peaks 300 to
-        # 600 KB above rank 0; not modelled, so an upper bound).
-        # ZeRO-0 under TP 2, -0.9% to -0.6%: it makes its all-reduce copy on one data-parallel rank too (it was 7.5% to
-        # 8.7% under without it).
+        # the backward). ZeRO-1/2: the configuration's peak is its busiest rank's. DeepSpeed makes a rank's gradient
+        # partition at the first reduction of a gradient it owns (stage_1_and_2 copy_grads_in_partition), so the last
+        # rank, which owns the head and the last layers, makes it in the last layer's backward and peaks there; rank 0
+        # makes it layers later, with less alive (up to 11% lower here). The model: the buckets from the first gradient
+        # hook (after the head's peak), the flatten copy only between ops (states.reduction: the larger of it and a
+        # phase's transient). Against the busiest rank -1.3% to +2.4%, no rank above it; ZeRO-1 micro-batch 2 at the
+        # accumulation boundary +5.0% (twice: its activations at the last layer's backward ~860 KB below the profile's,
+        # 290 KB at micro-batch 1; not traced), so 6% there.
+        # ZeRO-0 under TP 2, -0.9% to -0.6%: it makes its all-reduce copy on one data-parallel rank too.
         # ZeRO-3 (memtrain.memory.states.prefetch_buffer: the prefetch all-gather's flat buffer beside the whole
         # parameters; 2.1% to 7.7% under without it, SP 2 cells included) -1.6% to +2.3% (measured 2026-11-27). One
         # run saw rank 1 of 3+opt+sp2+ga2 650 KB higher in its first micro-step (-4.0% now), and a fresh-clone CI
@@ -142,10 +139,10 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
                 assert predicted == pytest.approx(m["peak"], rel=0.04), (rank, case, m["peak"], p)
             elif case.startswith(("0", "3")):
                 assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
-            elif "opt" in case:
-                assert predicted == pytest.approx(m["peak"], rel=0.05), (rank, case, m["peak"], p)
             else:
-                assert m["peak"] <= predicted <= 1.15 * m["peak"], (rank, case, m["peak"], p)
+                busiest = max(res[case]["measured"]["peak"] for res in results)
+                tolerance = 0.06 if case == "1+mb2+ga2" else 0.03
+                assert predicted == pytest.approx(busiest, rel=tolerance), (rank, case, m["peak"], busiest, p)
         # the terms are all there: each case has what its layout says, and offload moves it
         assert result["1"]["measured"]["adam"] > 0 and result["1+opt"]["measured"]["adam"] == 0
         assert result["3+opt+param"]["measured"]["params"] == 0 < result["3"]["measured"]["buckets"]

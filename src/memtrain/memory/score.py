@@ -98,7 +98,7 @@ class Family:
     def predict(self, micro_batch: int, states: ModelStates, plan: tuple[LayerChoice, ...]) -> Prediction:
         """`memtrain.memory.predict` of a plan at `micro_batch`. Its activation terms depend on the model states
         only through their ZeRO-1/2 reduce buffers, so they are walked once per (micro-batch, buffers, plan)."""
-        key = ("predict", micro_batch, states.backward, plan)
+        key = ("predict", micro_batch, states.backward_terms, plan)
         if key not in self.cache:
             self.cache[key] = predict(self.profile_at(micro_batch), states, plan)
         out = copy.copy(self.cache[key])
