@@ -231,8 +231,8 @@ def watch_reductions(opt, seen: dict) -> None:
 def run_steps(engine, model, feed: dict, accum: int, base: dict, seen: dict) -> dict:
     """Two optimizer steps of `accum` micro-steps: the second step's peak of CPU tensor bytes (the highest of its
     micro-steps') into `seen`; returns one optimizer step's collective bytes, counted after the first step's
-    micro-steps (DeepSpeed traces ZeRO-3's order then): the first step's update, then the second step's forwards
-    and backwards."""
+    micro-steps: the first step's update, then the second step's forwards and backwards. With accumulation 1 the
+    window holds ZeRO-3's one check of its trace (the second forward; with accumulation 2 it came before)."""
     from conftest import profiled_peak_rise  # tests/ is this script's directory
 
     for step, micro_step in [(s, m) for s in range(2) for m in range(accum)]:
@@ -281,6 +281,8 @@ def run_case(c: dict, config, frozen_recipe, world: int, root: Path) -> dict:
         seen["gathered"] = 0
         hooks = [m.register_forward_pre_hook(sample) for m in model.modules()]  # after DeepSpeed's fetch
     counted_step = run_steps(engine, model, feed, c["accum"], base, seen)
+    if stage == 3:  # the trace ZeRO-3 checks once, at the forward after it was recorded (broadcast from rank 0)
+        counted_step["trace_check"] = trace_check_bytes(opt)
     for h in hooks:
         h.remove()
     terms = measured_terms(c, model, opt)
@@ -297,6 +299,16 @@ def run_case(c: dict, config, frozen_recipe, world: int, root: Path) -> dict:
     del engine, model, opt, terms, counted
     return {"measured": measured, "predicted": predicted,
             "collectives": {"measured": counted_step, "predicted": collectives}}
+
+
+def trace_check_bytes(opt) -> int:
+    """ZeRO-3's one check of its recorded trace (DeepSpeed 0.19.8 PartitionedParameterCoordinator.reset_step, at the
+    forward after the one that recorded it: assert_ints_same_as_other_ranks -> get_lst_from_rank0): an int64
+    broadcast of the submodules' ids, of the parameters' ids and of their last-use step ids, in trace order."""
+    coordinator = opt.parameter_offload.get_param_coordinator()
+    name = type(coordinator).__name__
+    submodules, params = (getattr(coordinator, f"_{name}__{k}") for k in ("submodule_order", "param_order"))
+    return 8 * (len(submodules) + 2 * len(params))
 
 
 def measured_terms(c: dict, model, opt) -> dict:

@@ -83,6 +83,8 @@ class ModelShape:
     persistent: int  # ZeRO-3: elements at or under the persistence threshold (never gathered)
     trained: int  # elements with a gradient
     sharded_head: bool  # AutoTP shards the LM head (untied): its logits are gathered
+    replicated: int = 0  # AutoTP: elements every TP rank holds whole (embeddings, norms; ActivationProfile.replicated)
+    replicated_trained: int = 0  # of those, the elements with a gradient
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,32 @@ def zero_collectives(shape: ModelShape, stage: int, elem: int, layout: Layout, g
     return [Collective("all_reduce", "zero", elem * shape.trained, units, STEP, "ZeRO-0 gradient all-reduce")]
 
 
+def replicated_collectives(shape: ModelShape, stage: int, elem: int, layout: Layout, gathers_per_micro: int,
+                           resident: bool) -> list[Collective]:
+    """ZeRO-3 under AutoTP with one data-parallel rank: the replicated parameters' reduce-scatter and gather.
+
+    DeepSpeed 0.19.8 partitions a parameter under zero.Init over its data-parallel group, which defaults to every
+    rank (partition_parameters.Init: no mpu yet), before AutoTP shards the layers; engine
+    `_resolve_zero3_param_placement` keeps a parameter's partition group where zero.Init set it. So the
+    replicated parameters are partitioned over the TP ranks too (memtrain.memory.states.replicated_split) and go
+    through ZeRO-3's own paths over that group: their gradients reduce-scattered every micro-step
+    (stage3 `__reduce_and_partition_ipg_grads` -> `reduce_scatter_fn`), and, where every parameter persists
+    (memtrain.config.zero3.resident), gathered whole once a step after the update (stage3 `_post_step` ->
+    `_allgather_params_coalesced`). Counted on 2 gloo CPU ranks, TP 2: 136,192 B each, exact. Not resident
+    (offload_param): gathered with every fetch like any other partitioned parameter (not measured). With more
+    data-parallel ranks `zero_collectives` already counts their bytes (the group is wider, the tensors the same).
+    The same code runs on a GPU (NCCL; not measured on GPU)."""
+    if stage != 3 or layout.tp <= 1 or layout.zero > 1 or not shape.replicated:
+        return []
+    out = [Collective("reduce_scatter", "tp", elem * shape.replicated_trained, shape.layers + 1, MICRO,
+                      "ZeRO-3 replicated parameters' gradients (AutoTP)")] if shape.replicated_trained else []
+    if resident:
+        return out + [Collective("all_gather", "tp", elem * shape.replicated, 1, STEP,
+                                 "ZeRO-3 replicated parameters after the update (AutoTP)")]
+    return out + [Collective("all_gather", "tp", elem * shape.replicated * gathers_per_micro,
+                             (shape.layers + 1) * gathers_per_micro, MICRO, "ZeRO-3 replicated parameter gathers (AutoTP)")]
+
+
 def tp_collectives(shape: ModelShape, tokens: int, elem: int, modes: tuple[str, ...], layout: Layout) -> list[Collective]:
     """AutoTP's all-reduces for `tokens` (micro-batch x tokens per rank) under per-layer modes."""
     if layout.tp <= 1:
@@ -157,4 +185,5 @@ def step_collectives(shape: ModelShape, stage: int, elem: int, layout: Layout, t
                      gathers_per_micro: int = 2, resident: bool = False) -> list[Collective]:
     """Every collective of a step of this configuration (see the module doc)."""
     return (zero_collectives(shape, stage, elem, layout, gathers_per_micro, resident)
+            + replicated_collectives(shape, stage, elem, layout, gathers_per_micro, resident)
             + tp_collectives(shape, tokens, elem, modes, layout) + sp_collectives(shape, tokens, elem, modes, layout))

@@ -80,7 +80,7 @@ def _prefetch_unit(profile: ActivationProfile, choices: tuple[LayerChoice, ...])
 
 def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[LayerChoice, ...],
           seconds: dict[LayerChoice, float], num_layers: Optional[int] = None,
-          backward_extra: int = 0) -> Optional[tuple[LayerChoice, ...]]:
+          backward_extra: int = 0, reduction: int = 0) -> Optional[tuple[LayerChoice, ...]]:
     """The plan with the least predicted time whose activation peak fits `activation_limit`; None if none.
 
     State after layer i: bytes its layers leave alive (the prefix, which every later constraint
@@ -88,16 +88,17 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[Laye
     below (up to PREFETCH_DEPTH: their inputs are restored ahead during a later backward) and
     whether the layer just placed is offloaded (on CUDA its copy holds its input through the next
     forward). Exact within each such key: only states worse in both bytes and time are dropped.
-    `backward_extra` (ZeRO-1/2 reduce buffers) adds to every backward-phase constraint. The
+    `backward_extra` (ZeRO-1/2 reduce buffers) adds to every backward-phase constraint, and `reduction` (their
+    flatten copy, alive only between ops: ModelStates.reduction) takes a phase's transient's place where larger. The
     prefetch term is counted for a kept layer as well (exact when a checkpointed layer lies above it).
     Each layer's front is expanded by every choice at once (numpy), and a state whose bytes cannot fit
     the last constraint even with the least-resident choice for every later layer is dropped early.
     Of states equal in key and bytes the least time is kept (of equal times, the first: parent, then choice).
     """
     n = num_layers or profile.num_layers
-    if profile.base + profile.head_net + profile.tail_excess + backward_extra > activation_limit:
+    if profile.base + profile.head_net + max(profile.tail_excess, reduction) + backward_extra > activation_limit:
         return None  # the loss's tail alone does not fit, whatever the layers do
-    dp = _Layers(profile, activation_limit, choices, seconds, backward_extra)
+    dp = _Layers(profile, activation_limit, choices, seconds, backward_extra, reduction)
     # the front, sorted by (key, bytes): prefix bytes, seconds, key (offloaded layers below, capped; last offloaded)
     prefix, time, key = np.array([profile.base], dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64)
     history = []  # per layer: (parent state, choice) of each state of its front
@@ -128,10 +129,10 @@ class _Layers:
     key a choice leads to."""
 
     def __init__(self, profile: ActivationProfile, limit: int, choices: tuple[LayerChoice, ...],
-                 seconds: dict[LayerChoice, float], backward_extra: int):
+                 seconds: dict[LayerChoice, float], backward_extra: int, reduction: int = 0):
         depth, inp = _prefetch_unit(profile, choices)
         side = inp if profile.target.device == "cuda" else 0
-        terms = np.array([_footprint_terms(profile, c, backward_extra) for c in choices],
+        terms = np.array([_footprint_terms(profile, c, backward_extra, reduction) for c in choices],
                          dtype=np.int64).reshape(-1, 3)
         self.resident, fwd, bwd = terms[:, 0], terms[:, 1], terms[:, 0] + terms[:, 2]
         offload = np.array([c.offload for c in choices], dtype=np.int64)
@@ -145,7 +146,7 @@ class _Layers:
         # the last layer does not offload (the backward needs its input first, before any copy back could overlap)
         self.offloads = offload.astype(bool)
         self.least = int(self.resident.min())  # a later layer leaves at least this alive
-        self.final_room = limit - profile.head_excess - backward_extra  # what the last prefix must fit
+        self.final_room = limit - profile.head_excess  # what the last prefix must fit (no reduce buffer yet: predict)
         self.key_bits = int(self.next_key.max()).bit_length()
 
     def rooms(self, n: int) -> np.ndarray:
@@ -203,29 +204,32 @@ def _earlier_least(values: np.ndarray, key: np.ndarray) -> np.ndarray:
     return before
 
 
-def _footprint_terms(profile: ActivationProfile, choice: LayerChoice, backward_extra: int) -> tuple[int, int, int]:
-    """(resident, forward transient, backward transient with the head's net bytes and `backward_extra`)."""
+def _footprint_terms(profile: ActivationProfile, choice: LayerChoice, backward_extra: int,
+                     reduction: int = 0) -> tuple[int, int, int]:
+    """(resident, forward transient, backward transient (or `reduction`, the larger) with the head's net bytes and
+    `backward_extra`)."""
     resident, fwd, bwd = layer_footprint(profile, choice)
-    return resident, fwd, bwd + profile.head_net + backward_extra
+    return resident, fwd, max(bwd, reduction) + profile.head_net + backward_extra
 
 
 def feasible(profile: ActivationProfile, activation_limit: int, choices: tuple[LayerChoice, ...],
-             backward_extra: int = 0) -> Optional[tuple[LayerChoice, ...]]:
+             backward_extra: int = 0, reduction: int = 0) -> Optional[tuple[LayerChoice, ...]]:
     """Some plan whose activation peak fits, or None: the DP with every choice free, which keeps
     one state (the fewest bytes alive) per offload key and layer."""
-    return solve(profile, activation_limit, choices, {c: 0.0 for c in choices}, backward_extra=backward_extra)
+    return solve(profile, activation_limit, choices, {c: 0.0 for c in choices}, backward_extra=backward_extra,
+                 reduction=reduction)
 
 
 def smallest_peak(profile: ActivationProfile, choices: tuple[LayerChoice, ...],
-                  backward_extra: int = 0) -> tuple[int, tuple[LayerChoice, ...]]:
-    """The smallest activation peak (with `backward_extra` in the backward) any plan reaches, and
+                  backward_extra: int = 0, reduction: int = 0) -> tuple[int, tuple[LayerChoice, ...]]:
+    """The smallest activation peak (with `backward_extra` and `reduction` in the backward) any plan reaches, and
     a plan reaching it: bisection on the limit with `feasible`."""
     lo, hi = 0, max(activation_peak(profile, (c,) * profile.num_layers)[0]
-                    for c in choices if not c.offload) + backward_extra
-    best = feasible(profile, hi, choices, backward_extra)
+                    for c in choices if not c.offload) + backward_extra + reduction
+    best = feasible(profile, hi, choices, backward_extra, reduction)
     while hi - lo > max(4096, hi >> 12):  # to 0.025% of the peak
         mid = (lo + hi) // 2
-        plan = feasible(profile, mid, choices, backward_extra)
+        plan = feasible(profile, mid, choices, backward_extra, reduction)
         if plan is None:
             lo = mid
         else:
@@ -289,7 +293,7 @@ def predicted_plan(profile: ActivationProfile, states: ModelStates, choices: tup
                    rates: Rates, budget: int) -> Optional[PlanResult]:
     seconds = {c: choice_seconds(profile, rates, c) for c in choices}
     limit = activation_limit(profile, states, choices, budget)
-    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward)
+    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward, reduction=states.reduction)
     if plan is None:
         return None
     uniform = {}
@@ -315,10 +319,10 @@ def what_fits(profile: ActivationProfile, ds_config: dict, target: Target, choic
               budget: int) -> tuple[float, str]:
     """(smallest achievable peak in GiB, what would fit: micro-batch, GPUs, ZeRO stage, offload)."""
     def fits(prof: ActivationProfile, states: ModelStates) -> bool:
-        return feasible(prof, activation_limit(prof, states, choices, budget), choices, states.backward) is not None
+        return feasible(prof, activation_limit(prof, states, choices, budget), choices, *states.backward_terms) is not None
 
     states = model_states(profile, ds_config, target)
-    act, plan = smallest_peak(profile, choices, states.backward)
+    act, plan = smallest_peak(profile, choices, *states.backward_terms)
     peak = predict(profile, states, plan).peak
     options = []
     for mb in range(target.micro_batch_size - 1, 0, -1):

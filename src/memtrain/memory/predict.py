@@ -54,7 +54,7 @@ class Prediction:
     host_activations: int = 0  # offloaded checkpoints on the host
     prefetched: int = 0  # in activation_peak: offloaded inputs restored ahead of their layers (prefetch)
     side_stream: int = 0  # in activation_peak: an offloaded input its device-to-host copy still holds (CUDA)
-    reduce_buffers: int = 0  # ZeRO-1/2 reduce buckets and scratch at the peak (0 when it is in the forward)
+    reduce_buffers: int = 0  # ZeRO-1/2 reduce buffers at the peak beyond its activations (0 in the forward)
     notes: tuple[str, ...] = ()  # what the prediction leaves out or assumes (e.g. a modules pattern not modelled)
 
     @property
@@ -134,8 +134,9 @@ def unit_footprint(profile: ActivationProfile, unit: Unit) -> tuple[int, int, in
 
 
 def _walk(profile: ActivationProfile, units: list[Unit], prefetch_depth: int, side_stream: bool,
-          backward_extra: int):
-    """Every candidate peak of a plan: (activation bytes, phase, prefetched, side-stream bytes, in the backward).
+          reduction: int = 0):
+    """Every candidate peak of a plan: (activation bytes, phase, prefetched, side-stream bytes, in the backward,
+    the reduction's bytes beyond the phase's transient).
 
     Forward of unit u: base + resident of units < u + its forward transient (+ on CUDA the input of
     the unit before it, when offloaded, until its device-to-host copy is done: the copy overlaps
@@ -146,7 +147,10 @@ def _walk(profile: ActivationProfile, units: list[Unit], prefetch_depth: int, si
     checkpointed unit it copies back the inputs of the next `prefetch_depth` offloaded units it
     will recompute, so during u's backward the nearest `prefetch_depth` offloaded units below u
     are on the device too (once any checkpointed unit at or above u has been reached).
-    `backward_extra` (ZeRO-1/2 reduce buffers) counts in the head, backward and embedding backward.
+    The ZeRO-1/2 reduce buffers (`ModelStates.backward`) count in the layers' and the embedding's backward, not in
+    the head's (its peak comes before the first gradient hook makes them);
+    `reduction` (`ModelStates.reduction`, alive only between ops) takes the place of the phase's own transient
+    where it is larger: a phase holds max(transient, reduction).
     """
     inputs = [profile.layers[u.mode].input_bytes if u.offload else 0 for u in units]
     reached = [False] * len(units)  # some checkpointed unit at or above u: the prefetch has started
@@ -160,25 +164,30 @@ def _walk(profile: ActivationProfile, units: list[Unit], prefetch_depth: int, si
         if prefetch_depth and reached[u]:
             below = [inputs[j] for j in range(u - 1, -1, -1) if units[j].offload][:prefetch_depth]
             ahead = sum(below)
-        out.append((prefix + fwd + side, f"forward of {unit.name()}", 0, side, False))
-        out.append((prefix + resident + profile.head_net + bwd + ahead, f"backward of {unit.name()}", ahead, 0, True))
+        out.append((prefix + fwd + side, f"forward of {unit.name()}", 0, side, False, 0))
+        out.append((prefix + resident + profile.head_net + bwd + ahead, f"backward of {unit.name()}", ahead, 0, True,
+                    max(reduction - bwd, 0)))
         prefix += resident
-    out.append((prefix + profile.head_excess, "logits/loss", 0, 0, True))
-    out.append((profile.base + profile.head_net + profile.tail_excess, "embedding backward", 0, 0, True))
+    # the head's peak (the loss and the logits' gradient) comes before its weight's gradient hook, where ZeRO-1/2 make
+    # their buckets (DeepSpeed 0.19.8 stage_1_and_2 setup_buckets, at the first hook): none of them is alive yet
+    out.append((prefix + profile.head_excess, "logits/loss", 0, 0, False, 0))
+    out.append((profile.base + profile.head_net + profile.tail_excess, "embedding backward", 0, 0, True,
+                max(reduction - profile.tail_excess, 0)))
     return out
 
 
 def _best(candidates, backward_extra: int):
-    return max(candidates, key=lambda c: c[0] + (backward_extra if c[4] else 0))
+    """The candidate of the most bytes with the backward's buffers (`backward_extra` and its reduction excess)."""
+    return max(candidates, key=lambda c: c[0] + (backward_extra + c[5] if c[4] else 0))
 
 
 def activation_peak(profile: ActivationProfile, choices, segments=(),
-                    prefetch_depth: Optional[int] = None, backward_extra: int = 0) -> tuple[int, str]:
-    """The activation peak of a plan, and its phase (see `_walk`). `backward_extra` takes part in
-    choosing the phase but is not in the returned bytes."""
+                    prefetch_depth: Optional[int] = None, backward_extra: int = 0, reduction: int = 0) -> tuple[int, str]:
+    """The activation peak of a plan, and its phase (see `_walk`). `backward_extra` and `reduction` take part in
+    choosing the phase but are not in the returned bytes."""
     depth = PREFETCH_DEPTH if prefetch_depth is None else prefetch_depth
     best = _best(_walk(profile, plan_units(choices, segments), depth, profile.target.device == "cuda" and depth > 0,
-                       backward_extra), backward_extra)
+                       reduction), backward_extra)
     return best[0], best[1]
 
 
@@ -191,8 +200,8 @@ def predict(profile: ActivationProfile, states: ModelStates, choices, segments=(
     memtrain = offload_impl == "memtrain"
     depth = PREFETCH_DEPTH if memtrain else 0
     units = plan_units(choices, segments)
-    value, phase, ahead, side, backward = _best(
-        _walk(profile, units, depth, profile.target.device == "cuda" and memtrain, states.backward), states.backward)
+    value, phase, ahead, side, backward, excess = _best(
+        _walk(profile, units, depth, profile.target.device == "cuda" and memtrain, states.reduction), states.backward)
     saved_per = {}
     saved = profile.outside_saved
     for unit in units:
@@ -214,7 +223,7 @@ def predict(profile: ActivationProfile, states: ModelStates, choices, segments=(
         host_activations=host,
         prefetched=ahead,
         side_stream=side,
-        reduce_buffers=states.backward if backward else 0,
+        reduce_buffers=states.backward + excess if backward else 0,
         notes=tuple(notes),
     )
 

@@ -98,7 +98,7 @@ class Family:
     def predict(self, micro_batch: int, states: ModelStates, plan: tuple[LayerChoice, ...]) -> Prediction:
         """`memtrain.memory.predict` of a plan at `micro_batch`. Its activation terms depend on the model states
         only through their ZeRO-1/2 reduce buffers, so they are walked once per (micro-batch, buffers, plan)."""
-        key = ("predict", micro_batch, states.backward, plan)
+        key = ("predict", micro_batch, states.backward_terms, plan)
         if key not in self.cache:
             self.cache[key] = predict(self.profile_at(micro_batch), states, plan)
         out = copy.copy(self.cache[key])
@@ -153,7 +153,8 @@ def model_shape(config, profile: ActivationProfile, target: Target, persistent: 
                       getattr(text, "num_key_value_heads", None) or heads,
                       getattr(text, "head_dim", None) or text.hidden_size // heads, profile.num_params, persistent,
                       target.trained(profile.num_params),
-                      target.tp > 1 and not getattr(text, "tie_word_embeddings", False) and supports(text))
+                      target.tp > 1 and not getattr(text, "tie_word_embeddings", False) and supports(text),
+                      profile.replicated, target.trained(profile.replicated))
 
 
 _ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -127,7 +127,7 @@ def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[La
             return plan
     seconds = fam.seconds_at(profile.target.micro_batch_size, s.rates) if fam else {
         c: choice_seconds(profile, s.rates, c) for c in choices}
-    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward)
+    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward, reduction=states.reduction)
     if solved is not None:
         pred = None if plan is None else walk(plan)
         solved.append((limit, plan, None if pred is None else pred.activation_peak + pred.reduce_buffers))
@@ -164,7 +164,7 @@ def _variant(s: Setting, fam: Family, config, variant, ds: dict, states: ModelSt
         else:
             mb_states = states
         plan = None if id(mb_states) in too_big else best_plan(
-            fam.profile_at(mb), mb_states, fam.choices, s, solved.setdefault((mb, mb_states.backward), []), fam)
+            fam.profile_at(mb), mb_states, fam.choices, s, solved.setdefault((mb, mb_states.backward_terms), []), fam)
         if plan is None:  # activations grow with the micro-batch: every larger one under these states fails too
             too_big.add(id(mb_states))
             result.dropped["GPU memory exceeded (no per-layer plan fits)"] += 1

@@ -62,7 +62,7 @@ def profile_at_seq(p1: ActivationProfile, p2: ActivationProfile, seq_len: int) -
 def _fits(profile: ActivationProfile, states, choices, budget: int, uniform: Optional[LayerChoice]) -> bool:
     if uniform is not None:
         return predict(profile, states, (uniform,) * profile.num_layers).peak <= budget
-    return feasible(profile, activation_limit(profile, states, choices, budget), choices, states.backward) is not None
+    return feasible(profile, activation_limit(profile, states, choices, budget), choices, *states.backward_terms) is not None
 
 
 def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str], budget: Optional[int]) -> dict:
@@ -97,7 +97,7 @@ def plan_report(recipe, ds_config: dict, world_size: int, device: Optional[str],
             if result is None:
                 peak, hint = what_fits(profile, ds_config, target, choices, budget)
                 report["auto"] = {"fits": False, "smallest_peak_gib": peak, "would_fit": hint}
-                row_plan = smallest_peak(profile, choices, states.backward)[1]
+                row_plan = smallest_peak(profile, choices, *states.backward_terms)[1]
             else:
                 report["auto"] = {"fits": True, "layers": [str(c) for c in result.layers], "seconds": result.seconds}
                 row_plan = result.layers

@@ -108,6 +108,18 @@ def test_collective_volumes_equal_a_hand_count():
     tp_full = step_collectives(tp_shape, 3, 2, Layout(4, 8, tp=2), B * S, ("full",) * L)
     assert total(tp_full, "all_reduce", "tp") == 9 * L * B * S * H * 2  # + a recomputed forward's 2
 
+    # ZeRO-3 under AutoTP on one data-parallel rank: the replicated parameters (embedding, 2 norms a layer, the final
+    # norm) reduce-scattered every micro-step and, every parameter persisting, gathered once a step over the TP ranks
+    tp_ds = {**load_ds_config(DS), "tensor_parallel": {"autotp_size": 2}}
+    tp2 = make_target(recipe, tp_ds, 2, device="cuda")
+    tp2_shape = model_shape(config, profile_activations(config, tp2), tp2, 0)
+    replicated = 4 * (config.vocab_size * H + (2 * L + 1) * H)  # fp32 bytes, counted from the config by hand
+    one_rank = step_collectives(tp2_shape, 3, 4, Layout(2, 8, tp=2), B * S, ("keep",) * L, 1, True)
+    assert [(c.kind, c.phase, c.bytes) for c in one_rank if c.group == "tp" and c.kind != "all_reduce"
+            and "logits" not in c.what] == [("reduce_scatter", "micro", replicated), ("all_gather", "step", replicated)]
+    assert not [c for c in step_collectives(tp2_shape, 2, 4, Layout(2, 8, tp=2), B * S, ("keep",) * L)
+                if c.kind != "all_reduce" and "logits" not in c.what]  # ZeRO-2 keeps them whole: nothing moves
+
     heads, head_dim = 4, 32
     sp = step_collectives(shape, 3, 2, Layout(4, 8, sp=2), B * S // 2, ("keep",) * L)
     qkvo = 4 * B * (S // 2) * heads * head_dim * 2  # q, k, v and the output, this rank's slice, all heads
@@ -287,7 +299,7 @@ def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
         profile = fam.profile if x.exact else fam.profile.scaled(x.config.micro_batch)
         seconds = {c: choice_seconds(profile, result.rates, c) for c in fam.choices}
         fresh = solve(profile, activation_limit(profile, x.states, fam.choices, result.budget), fam.choices, seconds,
-                      backward_extra=x.states.backward)
+                      backward_extra=x.states.backward, reduction=x.states.reduction)
         if all(c.mode == "keep" for c in x.layers):
             continue
         solved += 1
@@ -311,7 +323,7 @@ def _fastest_of_every_plan(profile, states, choices, seconds, budget, walks: dic
     for plan in itertools.product(choices, repeat=profile.num_layers):
         if plan[-1].offload:
             continue
-        key = (profile.target.micro_batch_size, states.backward, plan)
+        key = (profile.target.micro_batch_size, states.backward_terms, plan)
         if key not in walks:
             pred = predict(profile, states, plan)
             walks[key] = (pred.activation_peak + pred.reduce_buffers, pred.margin)

@@ -365,7 +365,9 @@ def test_zero12_reduce_buffers_count_in_the_backward_only(tiny):
     """The buckets exist from the first gradient to the end of the backward: they add to the
     backward-phase candidates (head, layers' backward, embedding backward), not to the forward's,
     nor to the update's. A profile whose forward peaks above its backward by less than the buckets: with
-    the buckets, the backward is the peak."""
+    the buckets, the backward is the peak. The reduction's flatten copy lives only between the backward's ops: a
+    backward phase holds the larger of it and its own transient, counted by hand here, and the solver's limit is
+    the walk's peak to the byte."""
     from dataclasses import replace
 
     _, config, profile = tiny
@@ -379,8 +381,22 @@ def test_zero12_reduce_buffers_count_in_the_backward_only(tiny):
     forward_heavy = replace(profile, layers={**profile.layers, "keep": keep})
     assert activation_peak(forward_heavy, plan)[1].startswith("forward")
     pred = predict(forward_heavy, states, plan)
-    assert pred.phase == phase and pred.reduce_buffers == states.backward
-    assert pred.peak == states.total + backward + states.backward + pred.margin
+    assert not pred.phase.startswith("forward") and states.backward == states.reduce_buckets
+    keep = profile.layers["keep"]
+    by_hand = {  # each backward phase's bytes: activations alive + max(its transient, the copy) + the buckets
+        "logits/loss": profile.base + 4 * keep.resident + max(profile.head_excess, states.reduce_scratch),
+        "embedding backward": profile.base + profile.head_net + max(profile.tail_excess, states.reduce_scratch),
+        **{f"backward of layer {i}": profile.base + (i + 1) * keep.resident + profile.head_net
+           + max(keep.bwd_excess, states.reduce_scratch) for i in range(4)}}
+    assert pred.activation_peak + pred.reduce_buffers == max(by_hand.values()) + states.backward
+    assert pred.peak == states.total + max(by_hand.values()) + states.backward + pred.margin
+    for scratch in (0, keep.bwd_excess // 2, 3 * keep.bwd_excess):  # below, and above, a layer's transient
+        small = replace(states, reduce_scratch=scratch)
+        pred = predict(profile, small, plan)
+        need = pred.activation_peak + pred.reduce_buffers
+        choices = (LayerChoice("keep"),)
+        assert planner.feasible(profile, need, choices, *small.backward_terms) is not None
+        assert planner.feasible(profile, need - 1, choices, *small.backward_terms) is None
 
 
 def test_a_layer_without_an_mlp_sublayer_plans_every_other_policy():
