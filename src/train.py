@@ -4,6 +4,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from a checkout without installing
 
+from memtrain import startup_gc  # noqa: E402
+
+startup_gc.hold()  # the imports below run without the collector, then are frozen out of its sight (main)
+
 from memtrain.train import signals  # noqa: E402
 
 signals.install()  # before anything slow: a stop signal during start-up is recorded, not fatal

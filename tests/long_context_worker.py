@@ -17,6 +17,7 @@ Each engine takes one SGD step (lr 1, no clipping); the parameter change is -gra
 compared with the reference's gradient. Writes one JSON line per case to the last argument on rank 0.
 Then memtrain's trainer runs 4 steps with parallel.sequence 2 into <that path>.run.
 """
+import gc
 import json
 import sys
 
@@ -126,6 +127,7 @@ def compare(name, ref, got):
 
 
 def main():
+    gc.freeze()  # the imports' objects out of the collector's sight: DeepSpeed's gc.collect in each engine's set-up scans the rest
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

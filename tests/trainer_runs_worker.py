@@ -17,10 +17,14 @@ import os
 import sys
 import time
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+from memtrain import startup_gc  # noqa: E402
+
+startup_gc.hold()  # as src/train.py does: the imports without the collector, frozen by the first run's main
+
+import torch  # noqa: E402
 
 from memtrain.train import signals  # noqa: E402
 

@@ -44,22 +44,49 @@ def _preempted_run(run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(launch.cmd, proc.returncode, out, err)
 
 
-def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    stopped = _preempted_run(split)
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory):
+    """The two stopped runs of the first two tests, then one launch (tests/trainer_runs.py) for what follows them:
+    the uninterrupted run, the resume of the SIGTERM-stopped one, and the requeue of the run preempted on its last
+    step. {name: path, CompletedProcess, or a stopped run's files as they were before its resume}."""
+    tmp = tmp_path_factory.mktemp("resume")
+    out = {"tmp": tmp, "whole": tmp / "whole", "split": tmp / "split", "last": tmp / "last"}
+    out["stopped"] = _preempted_run(out["split"])
+    out["stopped_on_a_signal"] = _signal_stopped_run(tmp, out["last"])
+    for name in ("split", "last"):  # what the stops left, read before the resumes below write over it
+        out[f"{name} at the stop"] = _stopped_state(out[name])
+    # --resume alone continues the run as it was started (every flag above is in its config.json); a flag given
+    # changes it and is listed in one line
+    out["straight"], out["resumed"], out["requeued"] = run_in_one_launch([
+        {"argv": [*ARGS, "--run-dir", str(out["whole"])]},
+        {"argv": ["--run-dir", str(out["split"]), "--resume", "--set", "train.save_interval=4"]},
+        {"argv": [*_SIGNAL_ARGS, "--run-dir", str(out["last"]), "--max-steps", "6", "--resume"]}],
+        tmp / "runs.json", launcher=MAKE_TRAIN_LAUNCHER)
+    return out
+
+
+def _stopped_state(run: Path) -> dict:
+    """A stopped run's summary.json, `latest`, and each model checkpoint's damage (memtrain.train.checkpoint)."""
+    from memtrain.train.checkpoint import damage
+
+    steps = sorted(int(p.name[4:]) for p in (run / "checkpoints").glob("step*"))
+    return {"summary": json.loads((run / "summary.json").read_text()),
+            "latest": (run / "checkpoints" / "latest").read_text(),
+            "damage": {step: damage(run / "checkpoints" / tag_for(step)) for step in steps}}
+
+
+def test_stopped_and_resumed_equals_uninterrupted(resumes):
+    tmp_path, whole, split = resumes["tmp"], resumes["whole"], resumes["split"]
+    stopped, at_stop = resumes["stopped"], resumes["split at the stop"]
     assert_ok(stopped)
-    summary = json.loads((split / "summary.json").read_text())
+    summary = at_stop["summary"]
     assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGTERM", summary
     stop_step = summary["steps"]
     assert 3 <= stop_step < STEPS, summary
-    assert (split / "checkpoints" / "latest").read_text() == tag_for(stop_step)
+    assert at_stop["latest"] == tag_for(stop_step)
 
-    # one launch: the uninterrupted run, then the resume of the stopped one. --resume alone continues the run as it
-    # was started (every flag above is in its config.json); a flag given changes it and is listed in one line
-    straight, resumed = run_in_one_launch([
-        {"argv": [*ARGS, "--run-dir", str(whole)]},
-        {"argv": ["--run-dir", str(split), "--resume", "--set", "train.save_interval=4"]}],
-        tmp_path / "runs.json", launcher=MAKE_TRAIN_LAUNCHER)
+    # the fixture's one launch: the uninterrupted run, then the resume of the stopped one
+    straight, resumed = resumes["straight"], resumes["resumed"]
     assert_ok(straight)
     assert "compile: each decoder layer's forward under torch.compile" in straight.stdout
     assert "0 recompiles after the warm-up" in straight.stdout
@@ -118,7 +145,20 @@ def _a_missing_rank_is_damage(whole: Path, copy: Path) -> None:
         "rng_rank1.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt")])]
 
 
-def test_stop_signal_on_one_rank_stops_all_within_two_steps_with_timed_saves_and_a_last_step_stop_resumes(tmp_path):
+_SIGNAL_ARGS = [*FAST, "--set", "train.log_every=1000"]
+
+
+def _signal_stopped_run(tmp_path: Path, run: Path) -> subprocess.CompletedProcess:
+    """The run of the next test: SIGUSR1 to rank 1 after step 5 of 12, timed saves on, in a Slurm job."""
+    from conftest import signal_after_step_env
+
+    timed = ["--set", "train.keep_last=100", "--set", "train.save_every_minutes=0.0001"]
+    env = {**signal_after_step_env(tmp_path, 5, rank=1), "SLURM_JOB_ID": "4242"}
+    return run_train([*_SIGNAL_ARGS, *timed, "--run-dir", str(run), "--max-steps", "12"], nproc=2, env=env,
+                     launcher=MAKE_TRAIN_LAUNCHER)
+
+
+def test_stop_signal_on_one_rank_stops_all_within_two_steps_with_timed_saves_and_a_last_step_stop_resumes(resumes):
     """SIGUSR1 reaches rank 1 alone inside step 5's optimizer step, with logging every 1000 steps (the next
     boundary is the last step, 12): both ranks stop at step 6 (at most 2 steps later, agreed without a per-step
     host sync), save it, and say preempted. A run preempted on its last step (here: resumed with max_steps 6)
@@ -127,27 +167,22 @@ def test_stop_signal_on_one_rank_stops_all_within_two_steps_with_timed_saves_and
     The same run saves on a timer (train.save_every_minutes, in a Slurm job: SLURM_JOB_ID): rank 0's clock decides,
     the stop agreement's all-reduce carries it, and both ranks save at the same steps: each timed checkpoint is
     complete (2 ranks' files, as its manifest says). The timer (6 ms) is due after every step, so a save is agreed
-    every other step (the flag rides the next step's all-reduce)."""
-    from conftest import signal_after_step_env
-    from memtrain.train.checkpoint import damage
-
-    run = tmp_path / "run"
-    args = [*FAST, "--set", "train.log_every=1000", "--run-dir", str(run)]
-    timed = ["--set", "train.keep_last=100", "--set", "train.save_every_minutes=0.0001"]
-    env = {**signal_after_step_env(tmp_path, 5, rank=1), "SLURM_JOB_ID": "4242"}
-    stopped = run_train([*args, *timed, "--max-steps", "12"], nproc=2, env=env, launcher=MAKE_TRAIN_LAUNCHER)
+    every other step (the flag rides the next step's all-reduce). The requeue runs in the fixture's shared launch
+    (tests/trainer_runs.py), after this run."""
+    run = resumes["last"]
+    stopped, at_stop = resumes["stopped_on_a_signal"], resumes["last at the stop"]
     assert_ok(stopped)
-    summary = json.loads((run / "summary.json").read_text())
+    summary = at_stop["summary"]
     assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGUSR1"
     assert summary["steps"] == 6  # the flag rank 1 had after step 5 reaches every rank at step 6
-    assert (run / "checkpoints" / "latest").read_text() == tag_for(6)
+    assert at_stop["latest"] == tag_for(6)
     assert "model checkpoints: every 0.0001 min of training (train.save_every_minutes), on a stop signal and at " \
            "the end" in stopped.stdout
-    steps = sorted(int(p.name[4:]) for p in (run / "checkpoints").glob("step*"))
+    steps = sorted(at_stop["damage"])
     assert len(steps) >= 3 and steps[-1] == 6, steps  # timed ones between, and the stop's
     for step in steps:
-        assert damage(run / "checkpoints" / tag_for(step)) == [], step
-    resumed = run_train([*args, "--max-steps", "6", "--resume"], nproc=2, launcher=MAKE_TRAIN_LAUNCHER)
+        assert at_stop["damage"][step] == [], step
+    resumed = resumes["requeued"]
     assert_ok(resumed)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6

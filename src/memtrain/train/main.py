@@ -6,6 +6,7 @@ from typing import Optional
 
 from memtrain.config.args import parse_args
 from memtrain.errors import cli_entry
+from memtrain import startup_gc
 
 
 @cli_entry
@@ -16,4 +17,5 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)  # before the trainer's imports (seconds): --help and a bad flag answer at once
     from memtrain.train.trainer import train  # noqa: PLC0415 the trainer imports torch (seconds): --help and a bad flag answer first
 
+    startup_gc.imports_done()
     train(args)
