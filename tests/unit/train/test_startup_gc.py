@@ -5,7 +5,7 @@ from memtrain import startup_gc
 
 
 def test_imports_are_frozen_once_and_the_collector_is_back_on():
-    # nothing is unfrozen here: the session's own frozen imports (tests/launch/conftest.py) stay out of the scans
+    # nothing is unfrozen here: the session's own frozen imports (tests/conftest.py) stay out of the scans
     assert gc.isenabled()
     frozen_before = gc.get_freeze_count()
     try:
