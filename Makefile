@@ -40,13 +40,15 @@ setup: $(VENV)/.installed
 # (inference-only) and uses torch's AdamW.
 # uv (pinned) installs the same pins as pip, in parallel: 21 s against pip's 103 s on a fresh machine here
 # (reports/readme/test-times.md). uv does not read pip's configuration, so pip's find-links (where a machine keeps
-# its local wheels, e.g. the CPU torch) are passed on.
+# its local wheels, e.g. the CPU torch) are passed on. --compile-bytecode: pip writes the .pyc files at install, uv
+# does not by default; where PYTHONDONTWRITEBYTECODE is set (as on this machine) every process would compile
+# torch, transformers and DeepSpeed from source again (an import 10.1 CPU-s instead of 4.4).
 UV_VERSION := 0.13.9
 PIP_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
-	$(BIN)/uv pip install -q --python $(BIN)/python $(foreach l,$(PIP_LINKS),--find-links $(l)) -r requirements.lock
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(foreach l,$(PIP_LINKS),--find-links $(l)) -r requirements.lock
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
 	touch $@
 
