@@ -9,6 +9,9 @@ two-test launch files last, and one worker ran on alone for up to a launch's len
 counts 0 and keeps its collection order after the listed ones. Refresh the table from a full run:
 
     MEMTRAIN_FILE_SECONDS=tests/file_seconds.json make test
+
+(make test alone: a file's entry is replaced by what the recording session ran of it, and make test-multinode runs
+test_slurm.py's one multinode test.)
 """
 from __future__ import annotations
 
