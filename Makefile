@@ -38,7 +38,7 @@ setup: $(VENV)/.installed
 # Pinned environment. torch==2.13.0 resolves to the CPU build on this kind of machine.
 # Nothing is JIT-built, here or at launch: the trainer tells DeepSpeed to skip its CPU shm comm op
 # (inference-only) and uses torch's AdamW.
-# uv (pinned) installs the same pins as pip, in parallel: 21 s against pip's 103 s on a fresh machine here
+# uv (pinned) installs the same pins as pip, in parallel: 25 s (its cache warm) against pip's 103 s on a fresh clone here
 # (reports/readme/test-times.md). uv does not read pip's configuration, so pip's find-links (where a machine keeps
 # its local wheels, e.g. the CPU torch) are passed on. --compile-bytecode: pip writes the .pyc files at install, uv
 # does not by default; where PYTHONDONTWRITEBYTECODE is set (as on this machine) every process would compile
