@@ -120,8 +120,9 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # makes it layers later, with less alive (up to 11% lower here). The model: the buckets from the first gradient
         # hook (after the head's peak), the flatten copy only between ops (states.reduction: the larger of it and a
         # phase's transient). Against the busiest rank -1.3% to +2.4%, no rank above it; ZeRO-1 micro-batch 2 at the
-        # accumulation boundary +5.0% (twice: its activations at the last layer's backward ~860 KB below the profile's,
-        # 290 KB at micro-batch 1; not traced), so 6% there.
+        # accumulation boundary +5.0% (traced 11:12 UTC: the gradient partition is made at the first bucket's reduction,
+        # after the start of the last layer's backward, where the model puts it beside that layer's transient; the
+        # real peak is in the next layer's backward, +1.0% in the model: docs/planner-search.md), so 6% there.
         # ZeRO-0 under TP 2, -0.9% to -0.6%: it makes its all-reduce copy on one data-parallel rank too.
         # ZeRO-3 (memtrain.memory.states.prefetch_buffer: the prefetch all-gather's flat buffer beside the whole
         # parameters; 2.1% to 7.7% under without it, SP 2 cells included). Its backward as DeepSpeed runs it
