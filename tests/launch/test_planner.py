@@ -120,9 +120,10 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # makes it layers later, with less alive (up to 11% lower here). The model: the buckets from the first gradient
         # hook (after the head's peak), the flatten copy only between ops (states.reduction: the larger of it and a
         # phase's transient). Against the busiest rank -1.3% to +2.4%, no rank above it; ZeRO-1 micro-batch 2 at the
-        # accumulation boundary +5.0% (traced 11:12 UTC: the gradient partition is made at the first bucket's reduction,
-        # after the start of the last layer's backward, where the model puts it beside that layer's transient; the
-        # real peak is in the next layer's backward, +1.0% in the model: docs/planner-search.md), so 6% there.
+        # accumulation boundary was +5.0%: traced (11:12 UTC), the gradient partition is made at the first bucket's
+        # reduction, after the start of the last layer's backward; the real peak is in the next layer's backward.
+        # Modelled (states.accumulation_start: the top layers' backward before a bucket's worth of gradients holds
+        # no partition), ZeRO-1/2 with accumulation are -1.9% to +1.0% against the busiest rank.
         # ZeRO-0 under TP 2, -0.9% to -0.6%: it makes its all-reduce copy on one data-parallel rank too.
         # ZeRO-3 (memtrain.memory.states.prefetch_buffer: the prefetch all-gather's flat buffer beside the whole
         # parameters; 2.1% to 7.7% under without it, SP 2 cells included). Its backward as DeepSpeed runs it
@@ -143,8 +144,7 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
                 assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
             else:
                 busiest = max(res[case]["measured"]["peak"] for res in results)
-                tolerance = 0.06 if case == "1+mb2+ga2" else 0.03
-                assert predicted == pytest.approx(busiest, rel=tolerance), (rank, case, m["peak"], busiest, p)
+                assert predicted == pytest.approx(busiest, rel=0.03), (rank, case, m["peak"], busiest, p)
         # the terms are all there: each case has what its layout says, and offload moves it
         assert result["1"]["measured"]["adam"] > 0 and result["1+opt"]["measured"]["adam"] == 0
         assert result["3+opt+param"]["measured"]["params"] == 0 < result["3"]["measured"]["buckets"]

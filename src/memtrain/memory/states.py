@@ -24,14 +24,21 @@ class Release:
     step's trace, and nothing is used again in the rest of a backward). The backward gathers nothing (every
     parameter is still whole), so no prefetch all-gather's flat buffer is alive either. `first`: released before
     the first layer's backward (the prefetch buffer); `per_layer`: each decoder layer's gathered parameters, gone
-    once its backward is done."""
+    once its backward is done.
+
+    ZeRO-1/2 with gradient accumulation: `late`, the boundary's (ZeRO-1) or a later micro-step's (ZeRO-2) gradient
+    partition (`ModelStates.accumulating`), is not made yet in the backward of the top `late_layers` layers
+    (`accumulation_start`)."""
 
     first: int = 0
     per_layer: int = 0
+    late: int = 0
+    late_layers: int = 0
 
     def after(self, layers_done: int) -> int:
-        """Bytes released in the backward once `layers_done` decoder layers (from the top) have run their backward."""
-        return self.first + layers_done * self.per_layer if (self.first or self.per_layer) else 0
+        """Bytes the backward does not hold (freed, or not made yet) once `layers_done` decoder layers (from the top)
+        have run their backward."""
+        return self.first + layers_done * self.per_layer + (self.late if layers_done < self.late_layers else 0)
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ class ModelStates:
     accumulated: int = 0  # gradient accumulation: gradients earlier micro-steps leave beyond `grads` (see accumulation)
     accumulating: int = 0  # gradient accumulation: what a later micro-step's backward adds beside them (backward only)
     buckets_held: bool = False  # ZeRO-1 with accumulation: no epilogue frees the reduce buckets between micro-steps
-    release: Release = Release()  # ZeRO-3: gathered parameters freed again in the backward (Release)
+    release: Release = Release()  # what the backward does not hold yet or any more, by layer (Release)
 
     @property
     def without_activations(self) -> int:
@@ -178,6 +185,8 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     if stage == 3:
         reduce_scratch = zero3_reduction(profile, zero, c, t, target)
     accumulated, accumulating, accumulated_host = accumulation(zero, stage, c, t, world, target.grad_accum, offload_opt)
+    if accumulating:
+        release = Release(late=accumulating, late_layers=accumulation_start(profile, zero))
     # ZeRO-0 (DeepSpeedEngine.allreduce_no_retain -> allreduce_bucket) flattens the gradients into one tensor of up
     # to 500,000,000 elements (MEMORY_OPT_ALLREDUCE_SIZE) per all-reduce, after the backward: measured on CPU in
     # fp32 (2 ranks, DeepSpeed 0.19.8). On a GPU the same code runs in fp32 and fp16; bf16 goes through DeepSpeed's
@@ -330,6 +339,24 @@ def accumulation(zero, stage: int, c: int, t: int, world: int, accum: int,
     if offload_opt:
         return c * t, 0, 0
     return c * t - partition, partition if zero.contiguous_gradients else 0, 0
+
+
+def accumulation_start(profile: "ActivationProfile", zero) -> int:
+    """ZeRO-1/2 with accumulation: how many layers (from the top) run their backward before the partition
+    `accumulation` counts in the backward is made.
+
+    DeepSpeed 0.19.8 makes it at the backward's first bucket reduction (copy_grads_in_partition from reduce_ipg_grads):
+    once reduce_bucket_size gradient elements have come in, or at the epilogue. Traced on 2 gloo CPU ranks (ZeRO-1,
+    micro-batch 2, accumulation 2, rank 1): the head's and layer 3's MLP gradients filled the first bucket inside
+    layer 3's backward, after its transient's peak; the step's peak was in layer 2's backward, the partition alive.
+    So a layer's backward holds it when the gradients before it reach a bucket. Those before the layers are counted
+    as every parameter outside them, the embedding's included (its gradient comes last: an upper bound, it makes
+    the partition sooner); at most every layer (the embedding's backward holds it). Not measured on GPU."""
+    outside = profile.num_params - profile.num_layers * profile.largest_layer_params
+    bucket = int(zero.reduce_bucket_size)
+    if outside >= bucket or profile.largest_layer_params <= 0:
+        return 0
+    return min(profile.num_layers, -(-(bucket - outside) // profile.largest_layer_params))
 
 
 def offload_optimizer(profile: "ActivationProfile", zero, stage: int, c: int, t: int, world: int, optimizer: int,
