@@ -400,7 +400,8 @@ def held_prefetch_buffer(profile, cfg: dict, target) -> int:
 def peak_terms(prediction) -> dict:
     """memtrain.memory.predict's forward/backward peak by term; on CPU the host's part is the same memory."""
     return {"peak": prediction.peak, "activation_peak": prediction.activation_peak,
-            "reduce_buffers_at_peak": prediction.reduce_buffers, "host_activations": prediction.host_activations,
+            "reduce_buffers_at_peak": prediction.reduce_buffers, "released_at_peak": prediction.released,
+            "host_activations": prediction.host_activations,
             "states_total": prediction.model_states.total, "peak_phase": prediction.phase}
 
 

@@ -36,7 +36,7 @@ from memtrain.memory.predict import (LayerChoice, Prediction, activation_peak, a
                                     predict)
 from memtrain.memory.profile import ActivationProfile, profile_activations
 from memtrain.memory.rates import Rates, measure_rates
-from memtrain.memory.states import ModelStates, model_states
+from memtrain.memory.states import ModelStates, Release, model_states
 from memtrain.memory.target import Target, make_target, model_and_config, recompute_spec
 from memtrain.config.ds_config import zero_stage
 from memtrain.memory.predict import predict_plan
@@ -80,7 +80,7 @@ def _prefetch_unit(profile: ActivationProfile, choices: tuple[LayerChoice, ...])
 
 def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[LayerChoice, ...],
           seconds: dict[LayerChoice, float], num_layers: Optional[int] = None,
-          backward_extra: int = 0, reduction: int = 0) -> Optional[tuple[LayerChoice, ...]]:
+          backward_extra: int = 0, reduction: int = 0, release: Release = Release()) -> Optional[tuple[LayerChoice, ...]]:
     """The plan with the least predicted time whose activation peak fits `activation_limit`; None if none.
 
     State after layer i: bytes its layers leave alive (the prefix, which every later constraint
@@ -89,16 +89,19 @@ def solve(profile: ActivationProfile, activation_limit: int, choices: tuple[Laye
     whether the layer just placed is offloaded (on CUDA its copy holds its input through the next
     forward). Exact within each such key: only states worse in both bytes and time are dropped.
     `backward_extra` (ZeRO-1/2 reduce buffers) adds to every backward-phase constraint, and `reduction` (their
-    flatten copy, alive only between ops: ModelStates.reduction) takes a phase's transient's place where larger. The
+    flatten copy, alive only between ops: ModelStates.reduction) takes a phase's transient's place where larger;
+    `release` (ModelStates.release: ZeRO-3's gathered parameters freed in the backward) gives layer i's backward
+    constraint what the layers above it have released, as memory.predict's walk does. The
     prefetch term is counted for a kept layer as well (exact when a checkpointed layer lies above it).
     Each layer's front is expanded by every choice at once (numpy), and a state whose bytes cannot fit
     the last constraint even with the least-resident choice for every later layer is dropped early.
     Of states equal in key and bytes the least time is kept (of equal times, the first: parent, then choice).
     """
     n = num_layers or profile.num_layers
-    if profile.base + profile.head_net + max(profile.tail_excess, reduction) + backward_extra > activation_limit:
+    if profile.base + profile.head_net + max(profile.tail_excess, reduction) + backward_extra - release.after(n) > \
+            activation_limit:
         return None  # the loss's tail alone does not fit, whatever the layers do
-    dp = _Layers(profile, activation_limit, choices, seconds, backward_extra, reduction)
+    dp = _Layers(profile, activation_limit, choices, seconds, backward_extra, reduction, release)
     # the front, sorted by (key, bytes): prefix bytes, seconds, key (offloaded layers below, capped; last offloaded)
     prefix, time, key = np.array([profile.base], dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64)
     history = []  # per layer: (parent state, choice) of each state of its front
@@ -129,7 +132,8 @@ class _Layers:
     key a choice leads to."""
 
     def __init__(self, profile: ActivationProfile, limit: int, choices: tuple[LayerChoice, ...],
-                 seconds: dict[LayerChoice, float], backward_extra: int, reduction: int = 0):
+                 seconds: dict[LayerChoice, float], backward_extra: int, reduction: int = 0,
+                 release: Release = Release()):
         depth, inp = _prefetch_unit(profile, choices)
         side = inp if profile.target.device == "cuda" else 0
         terms = np.array([_footprint_terms(profile, c, backward_extra, reduction) for c in choices],
@@ -140,9 +144,10 @@ class _Layers:
         below, last_off = np.arange(depth + 1).repeat(2), np.tile([0, 1], depth + 1)  # key k = below * 2 + last_off
         self.next_key = np.minimum(depth, below[:, None] + offload[None, :]) * 2 + offload[None, :]
         # the forward of the choice (with an offloaded input below it still on its copy) and its backward (with the
-        # prefetched inputs below it) fit: prefix <= room
-        self.base_room = np.minimum(limit - side * last_off[:, None] - fwd[None, :],
-                                    limit - below[:, None] * inp - bwd[None, :])
+        # prefetched inputs below it, and what ZeRO-3 released above it: per layer, in `rooms`) fit: prefix <= room
+        self.forward_room = limit - side * last_off[:, None] - fwd[None, :]
+        self.backward_room = limit - below[:, None] * inp - bwd[None, :]
+        self.release = release
         # the last layer does not offload (the backward needs its input first, before any copy back could overlap)
         self.offloads = offload.astype(bool)
         self.least = int(self.resident.min())  # a later layer leaves at least this alive
@@ -153,7 +158,9 @@ class _Layers:
         """layer x key x choice -> the most bytes a state may hold before the layer takes the choice; it also drops
         early a state that cannot fit the final constraint even with the least-resident choice for every later layer."""
         final = self.final_room - (n - 1 - np.arange(n))[:, None] * self.least - self.resident[None, :]
-        rooms = np.minimum(self.base_room[None, :, :], final[:, None, :])
+        released = np.array([self.release.after(n - 1 - i) for i in range(n)], dtype=np.int64)
+        rooms = np.minimum(np.minimum(self.forward_room[None, :, :],
+                                      self.backward_room[None, :, :] + released[:, None, None]), final[:, None, :])
         rooms[n - 1][:, self.offloads] = np.iinfo(np.int64).min
         return rooms
 
@@ -213,23 +220,25 @@ def _footprint_terms(profile: ActivationProfile, choice: LayerChoice, backward_e
 
 
 def feasible(profile: ActivationProfile, activation_limit: int, choices: tuple[LayerChoice, ...],
-             backward_extra: int = 0, reduction: int = 0) -> Optional[tuple[LayerChoice, ...]]:
+             backward_extra: int = 0, reduction: int = 0,
+             release: Release = Release()) -> Optional[tuple[LayerChoice, ...]]:
     """Some plan whose activation peak fits, or None: the DP with every choice free, which keeps
     one state (the fewest bytes alive) per offload key and layer."""
     return solve(profile, activation_limit, choices, {c: 0.0 for c in choices}, backward_extra=backward_extra,
-                 reduction=reduction)
+                 reduction=reduction, release=release)
 
 
 def smallest_peak(profile: ActivationProfile, choices: tuple[LayerChoice, ...],
-                  backward_extra: int = 0, reduction: int = 0) -> tuple[int, tuple[LayerChoice, ...]]:
-    """The smallest activation peak (with `backward_extra` and `reduction` in the backward) any plan reaches, and
-    a plan reaching it: bisection on the limit with `feasible`."""
+                  backward_extra: int = 0, reduction: int = 0,
+                  release: Release = Release()) -> tuple[int, tuple[LayerChoice, ...]]:
+    """The smallest activation peak (with `backward_extra`, `reduction` and `release` in the backward) any plan
+    reaches, and a plan reaching it: bisection on the limit with `feasible`."""
     lo, hi = 0, max(activation_peak(profile, (c,) * profile.num_layers)[0]
                     for c in choices if not c.offload) + backward_extra + reduction
-    best = feasible(profile, hi, choices, backward_extra, reduction)
+    best = feasible(profile, hi, choices, backward_extra, reduction, release)
     while hi - lo > max(4096, hi >> 12):  # to 0.025% of the peak
         mid = (lo + hi) // 2
-        plan = feasible(profile, mid, choices, backward_extra, reduction)
+        plan = feasible(profile, mid, choices, backward_extra, reduction, release)
         if plan is None:
             lo = mid
         else:
@@ -293,7 +302,8 @@ def predicted_plan(profile: ActivationProfile, states: ModelStates, choices: tup
                    rates: Rates, budget: int) -> Optional[PlanResult]:
     seconds = {c: choice_seconds(profile, rates, c) for c in choices}
     limit = activation_limit(profile, states, choices, budget)
-    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward, reduction=states.reduction)
+    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward, reduction=states.reduction,
+                 release=states.release)
     if plan is None:
         return None
     uniform = {}

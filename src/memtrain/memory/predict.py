@@ -15,7 +15,7 @@ from memtrain.recompute.policy import ACPlan, ATTN, FULL, KEEP, MLP, LayerChoice
 from memtrain.recompute.units import ModelPaths, model_paths, recompute_units
 from memtrain.memory import tensor_parallel
 from memtrain.memory.target import Target
-from memtrain.memory.states import ModelStates, model_states
+from memtrain.memory.states import ModelStates, Release, model_states
 from memtrain.memory.profile import MODULES, ActivationProfile, fake_model, profile_activations, supported_modes, modules_mode
 from memtrain.recompute.offload import PREFETCH_DEPTH
 
@@ -54,13 +54,14 @@ class Prediction:
     host_activations: int = 0  # offloaded checkpoints on the host
     prefetched: int = 0  # in activation_peak: offloaded inputs restored ahead of their layers (prefetch)
     side_stream: int = 0  # in activation_peak: an offloaded input its device-to-host copy still holds (CUDA)
-    reduce_buffers: int = 0  # ZeRO-1/2 reduce buffers at the peak beyond its activations (0 in the forward)
+    reduce_buffers: int = 0  # reduce buffers and the reduction's copy at the peak beyond its activations (0 in the forward)
+    released: int = 0  # ZeRO-3: gathered parameters (in model_states.total) already freed at the peak (backward only)
     notes: tuple[str, ...] = ()  # what the prediction leaves out or assumes (e.g. a modules pattern not modelled)
 
     @property
     def peak(self) -> int:
         """The larger of the forward/backward peak and the optimizer step's (no activations then)."""
-        return self.model_states.total + max(self.activation_peak + self.reduce_buffers,
+        return self.model_states.total + max(self.activation_peak + self.reduce_buffers - self.released,
                                              self.model_states.without_activations) + self.margin
 
     def to_dict(self) -> dict:
@@ -134,9 +135,9 @@ def unit_footprint(profile: ActivationProfile, unit: Unit) -> tuple[int, int, in
 
 
 def _walk(profile: ActivationProfile, units: list[Unit], prefetch_depth: int, side_stream: bool,
-          reduction: int = 0):
+          reduction: int = 0, release: Release = Release()):
     """Every candidate peak of a plan: (activation bytes, phase, prefetched, side-stream bytes, in the backward,
-    the reduction's bytes beyond the phase's transient).
+    the reduction's bytes beyond the phase's transient, the gathered bytes ZeRO-3 has released by then).
 
     Forward of unit u: base + resident of units < u + its forward transient (+ on CUDA the input of
     the unit before it, when offloaded, until its device-to-host copy is done: the copy overlaps
@@ -151,12 +152,14 @@ def _walk(profile: ActivationProfile, units: list[Unit], prefetch_depth: int, si
     the head's (its peak comes before the first gradient hook makes them);
     `reduction` (`ModelStates.reduction`, alive only between ops) takes the place of the phase's own transient
     where it is larger: a phase holds max(transient, reduction).
+    ZeRO-3 keeping every gathered parameter into the backward frees each layer's after its backward
+    (`ModelStates.release`): the backward of unit u holds none of the layers above it.
     """
     inputs = [profile.layers[u.mode].input_bytes if u.offload else 0 for u in units]
     reached = [False] * len(units)  # some checkpointed unit at or above u: the prefetch has started
     for u in range(len(units) - 1, -1, -1):
         reached[u] = units[u].slot or (u + 1 < len(units) and reached[u + 1])
-    out, prefix = [], profile.base
+    out, prefix, layers = [], profile.base, sum(unit.layers for unit in units)
     for u, unit in enumerate(units):
         resident, fwd, bwd = unit_footprint(profile, unit)
         side = inputs[u - 1] if side_stream and u > 0 else 0
@@ -164,30 +167,32 @@ def _walk(profile: ActivationProfile, units: list[Unit], prefetch_depth: int, si
         if prefetch_depth and reached[u]:
             below = [inputs[j] for j in range(u - 1, -1, -1) if units[j].offload][:prefetch_depth]
             ahead = sum(below)
-        out.append((prefix + fwd + side, f"forward of {unit.name()}", 0, side, False, 0))
+        out.append((prefix + fwd + side, f"forward of {unit.name()}", 0, side, False, 0, 0))
         out.append((prefix + resident + profile.head_net + bwd + ahead, f"backward of {unit.name()}", ahead, 0, True,
-                    max(reduction - bwd, 0)))
+                    max(reduction - bwd, 0), release.after(layers - unit.first - unit.layers)))
         prefix += resident
     # the head's peak (the loss and the logits' gradient) comes before its weight's gradient hook, where ZeRO-1/2 make
     # their buckets (DeepSpeed 0.19.8 stage_1_and_2 setup_buckets, at the first hook): none of them is alive yet
-    out.append((prefix + profile.head_excess, "logits/loss", 0, 0, False, 0))
+    out.append((prefix + profile.head_excess, "logits/loss", 0, 0, False, 0, 0))
     out.append((profile.base + profile.head_net + profile.tail_excess, "embedding backward", 0, 0, True,
-                max(reduction - profile.tail_excess, 0)))
+                max(reduction - profile.tail_excess, 0), release.after(layers)))
     return out
 
 
 def _best(candidates, backward_extra: int):
-    """The candidate of the most bytes with the backward's buffers (`backward_extra` and its reduction excess)."""
-    return max(candidates, key=lambda c: c[0] + (backward_extra + c[5] if c[4] else 0))
+    """The candidate of the most bytes with the backward's buffers (`backward_extra` and its reduction excess) and
+    without what ZeRO-3 has released by then."""
+    return max(candidates, key=lambda c: c[0] + (backward_extra + c[5] - c[6] if c[4] else 0))
 
 
 def activation_peak(profile: ActivationProfile, choices, segments=(),
-                    prefetch_depth: Optional[int] = None, backward_extra: int = 0, reduction: int = 0) -> tuple[int, str]:
-    """The activation peak of a plan, and its phase (see `_walk`). `backward_extra` and `reduction` take part in
-    choosing the phase but are not in the returned bytes."""
+                    prefetch_depth: Optional[int] = None, backward_extra: int = 0, reduction: int = 0,
+                    release: Release = Release()) -> tuple[int, str]:
+    """The activation peak of a plan, and its phase (see `_walk`). `backward_extra`, `reduction` and `release` take
+    part in choosing the phase but are not in the returned bytes."""
     depth = PREFETCH_DEPTH if prefetch_depth is None else prefetch_depth
     best = _best(_walk(profile, plan_units(choices, segments), depth, profile.target.device == "cuda" and depth > 0,
-                       reduction), backward_extra)
+                       reduction, release), backward_extra)
     return best[0], best[1]
 
 
@@ -200,8 +205,9 @@ def predict(profile: ActivationProfile, states: ModelStates, choices, segments=(
     memtrain = offload_impl == "memtrain"
     depth = PREFETCH_DEPTH if memtrain else 0
     units = plan_units(choices, segments)
-    value, phase, ahead, side, backward, excess = _best(
-        _walk(profile, units, depth, profile.target.device == "cuda" and memtrain, states.reduction), states.backward)
+    value, phase, ahead, side, backward, excess, released = _best(
+        _walk(profile, units, depth, profile.target.device == "cuda" and memtrain, states.reduction, states.release),
+        states.backward)
     saved_per = {}
     saved = profile.outside_saved
     for unit in units:
@@ -224,6 +230,7 @@ def predict(profile: ActivationProfile, states: ModelStates, choices, segments=(
         prefetched=ahead,
         side_stream=side,
         reduce_buffers=states.backward + excess if backward else 0,
+        released=released if backward else 0,
         notes=tuple(notes),
     )
 

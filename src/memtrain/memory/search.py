@@ -127,10 +127,11 @@ def best_plan(profile: ActivationProfile, states: ModelStates, choices: tuple[La
             return plan
     seconds = fam.seconds_at(profile.target.micro_batch_size, s.rates) if fam else {
         c: choice_seconds(profile, s.rates, c) for c in choices}
-    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward, reduction=states.reduction)
+    plan = solve(profile, limit, choices, seconds, backward_extra=states.backward, reduction=states.reduction,
+                 release=states.release)
     if solved is not None:
         pred = None if plan is None else walk(plan)
-        solved.append((limit, plan, None if pred is None else pred.activation_peak + pred.reduce_buffers))
+        solved.append((limit, plan, None if pred is None else pred.activation_peak + pred.reduce_buffers - pred.released))
     return plan
 
 

@@ -15,6 +15,33 @@ if TYPE_CHECKING:  # a profile is measured after the states' formula is defined 
 
 
 @dataclass(frozen=True)
+class Release:
+    """ZeRO-3 keeping every gathered parameter into the backward: what its backward has released again (bytes).
+
+    DeepSpeed 0.19.8 frees a module's gathered parameters right after the module's backward
+    (parameter_offload.py: post_sub_module_backward_function -> PartitionedParameterCoordinator.release_sub_module;
+    __params_to_release keeps only a parameter used again within stage3_max_reuse_distance of the rest of the
+    step's trace, and nothing is used again in the rest of a backward). The backward gathers nothing (every
+    parameter is still whole), so no prefetch all-gather's flat buffer is alive either. `first`: released before
+    the first layer's backward (the prefetch buffer); `per_layer`: each decoder layer's gathered parameters, gone
+    once its backward is done.
+
+    ZeRO-1/2 with gradient accumulation: `late`, the boundary's (ZeRO-1) or a later micro-step's (ZeRO-2) gradient
+    partition (`ModelStates.accumulating`), is not made yet in the backward of the top `late_layers` layers
+    (`accumulation_start`)."""
+
+    first: int = 0
+    per_layer: int = 0
+    late: int = 0
+    late_layers: int = 0
+
+    def after(self, layers_done: int) -> int:
+        """Bytes the backward does not hold (freed, or not made yet) once `layers_done` decoder layers (from the top)
+        have run their backward."""
+        return self.first + layers_done * self.per_layer + (self.late if layers_done < self.late_layers else 0)
+
+
+@dataclass(frozen=True)
 class ModelStates:
     """Bytes per device for parameters, gradients and optimizer states, and what sits on the host."""
 
@@ -27,12 +54,13 @@ class ModelStates:
     update: int  # fp32 gradients made for the update (mixed precision); only during the step, with no activations
     host: int  # offloaded to host memory (not part of the device peak)
     reduce_buckets: int = 0  # ZeRO-1/2 ipg reduce buckets: live from the first gradient to the end of the backward
-    reduce_scratch: int = 0  # ZeRO-1/2: the flattened copy of one bucket while it is reduced (`reduction`)
+    reduce_scratch: int = 0  # the flattened copy of one bucket while it is reduced (`reduction`; ZeRO-1/2 and -3)
     dequantized: int = 0  # a 4-bit base: the weight bitsandbytes dequantizes for one matmul (forward and backward)
     allreduce_copy: int = 0  # ZeRO-0: the flat copy of the gradients its all-reduce makes after the backward
     accumulated: int = 0  # gradient accumulation: gradients earlier micro-steps leave beyond `grads` (see accumulation)
     accumulating: int = 0  # gradient accumulation: what a later micro-step's backward adds beside them (backward only)
     buckets_held: bool = False  # ZeRO-1 with accumulation: no epilogue frees the reduce buckets between micro-steps
+    release: Release = Release()  # what the backward does not hold yet or any more, by layer (Release)
 
     @property
     def without_activations(self) -> int:
@@ -57,9 +85,9 @@ class ModelStates:
         return self.reduce_scratch
 
     @property
-    def backward_terms(self) -> tuple[int, int]:
-        """(backward, reduction): what a plan's backward depends on of the states (a cache key)."""
-        return self.backward, self.reduction
+    def backward_terms(self) -> tuple[int, int, Release]:
+        """(backward, reduction, release): what a plan's backward depends on of the states (a cache key)."""
+        return self.backward, self.reduction, self.release
 
     @property
     def total(self) -> int:
@@ -150,10 +178,15 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     grads = c * t // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
     optimizer = (master + 8) * t // (world if stage >= 1 else 1)
     update = 4 * t // (world if stage >= 1 else 1) if mixed else 0
-    buckets, persistent, gathered = zero3_buffers(profile, ds_config, zero, c, world, q) if stage == 3 else (0, 0, 0)
+    buckets, persistent, gathered, release = zero3_buffers(profile, ds_config, zero, c, world, q) if stage == 3 \
+        else (0, 0, 0, Release())
     persistent += c * profile.replicated if split else 0  # the replicated parameters also kept whole
     reduce_buckets, reduce_scratch = reduce_buffers(profile, zero, c, world, offload_opt) if stage in (1, 2) else (0, 0)
+    if stage == 3:
+        reduce_scratch = zero3_reduction(profile, zero, c, t, target)
     accumulated, accumulating, accumulated_host = accumulation(zero, stage, c, t, world, target.grad_accum, offload_opt)
+    if accumulating:
+        release = Release(late=accumulating, late_layers=accumulation_start(profile, zero))
     # ZeRO-0 (DeepSpeedEngine.allreduce_no_retain -> allreduce_bucket) flattens the gradients into one tensor of up
     # to 500,000,000 elements (MEMORY_OPT_ALLREDUCE_SIZE) per all-reduce, after the backward: measured on CPU in
     # fp32 (2 ranks, DeepSpeed 0.19.8). On a GPU the same code runs in fp32 and fp16; bf16 goes through DeepSpeed's
@@ -173,7 +206,7 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     dequantized = c * max((numel for numel, _ in profile.quantized_sizes), default=0)
     return ModelStates(params, grads, optimizer, buckets, persistent, gathered, update, host,
                        reduce_buckets, reduce_scratch, dequantized, allreduce_copy, accumulated, accumulating,
-                       buckets_held=stage == 1 and target.grad_accum > 1 and reduce_buckets > 0)
+                       buckets_held=stage == 1 and target.grad_accum > 1 and reduce_buckets > 0, release=release)
 
 
 def replicated_split(profile: "ActivationProfile", stage: int, tp: int) -> int:
@@ -199,9 +232,9 @@ def largest_param(profile: "ActivationProfile") -> int:
 
 
 def zero3_buffers(profile: "ActivationProfile", ds_config: dict, zero, c: int, world: int,
-                  q: int) -> tuple[int, int, int]:
-    """ZeRO-3: (the contiguous reduce bucket, the persistent parameters kept whole, the gathered parameters).
-    `q`: a 4-bit base's elements."""
+                  q: int) -> tuple[int, int, int, Release]:
+    """ZeRO-3: (the contiguous reduce bucket, the persistent parameters kept whole, the gathered parameters, what the
+    backward releases of them). `q`: a 4-bit base's elements."""
     n = profile.num_params
     buckets = c * zero.reduce_bucket_size if zero.contiguous_gradients else 0
     small = persistent_elements(profile, zero)
@@ -211,6 +244,7 @@ def zero3_buffers(profile: "ActivationProfile", ds_config: dict, zero, c: int, w
     gathered = c * (profile.largest_layer_params + min(zero.prefetch_bucket_size, n))
     if q:  # a layer's 4-bit weights gather at half a byte each
         gathered -= int((c - 0.5) * q / max(profile.num_layers, 1))
+    release = Release()
     if resident(ds_config, world):  # memtrain.config.zero3: every parameter persists, nothing is gathered
         gathered = 0
     elif keeps_gathered(zero, n, world):
@@ -218,8 +252,32 @@ def zero3_buffers(profile: "ActivationProfile", ds_config: dict, zero, c: int, w
         # max_reuse_distance elements of the trace (forward and backward: ~2n); within reach, every
         # non-persistent parameter stays whole from its forward to its backward (measured, 2 ranks,
         # DeepSpeed 0.19.8). In a world of one the H100 calibration above holds (not re-measured).
-        gathered = max(gathered, c * (n - small) + prefetch_buffer(profile, zero, c, n - small))
-    return buckets, persistent, gathered
+        whole = c * (n - small) + prefetch_buffer(profile, zero, c, n - small)
+        if whole > gathered:
+            gathered = whole
+            # a layer's own persistent parameters (its norms) are not released: the model's persistent elements shared
+            # evenly over its layers (the final norm's counted in them: a few bytes less released)
+            layer = profile.largest_layer_params - -(-small // max(profile.num_layers, 1))
+            release = Release(prefetch_buffer(profile, zero, c, n - small), c * max(layer, 0) if not q else 0)
+    return buckets, persistent, gathered, release
+
+
+def zero3_reduction(profile: "ActivationProfile", zero, c: int, trained: int, target: Target) -> int:
+    """ZeRO-3: what exists only while a gradient bucket is reduced (`ModelStates.reduction`, between ops).
+
+    DeepSpeed 0.19.8 (stage3.py __reduce_and_partition_ipg_grads -> __avg_scatter_grads ->
+    comm/coalesced_collectives.reduce_scatter_coalesced): the bucket's gradients, each padded to the ranks, are
+    flattened into one tensor (torch.cat), on every device. A bucket is reduced before a gradient would take it over
+    reduce_bucket_size elements (__add_grad_to_ipg_bucket), so it holds at most that, or one larger parameter: counted
+    so, an upper bound. gloo (CPU only) copies that flat tensor once more inside its reduce-scatter; NCCL reduces in
+    place, so on a GPU the copy is counted once (not measured on GPU). Traced on 2 gloo CPU ranks, AutoTP 2: both
+    copies (311,296 B each) alive at the peak, in the last layer's backward. ZeRO-3 reduces over every rank of its
+    process group (AutoTP's one data-parallel rank included). A world of one is not measured: counted as none there
+    (the one-GPU calibration in memory.predict was measured without the term)."""
+    if target.world_size <= 1 or trained <= 0:
+        return 0
+    flat = c * min(trained, max(int(zero.reduce_bucket_size), largest_param(profile)))
+    return flat * (2 if target.device == "cpu" else 1)
 
 
 def prefetch_buffer(profile: "ActivationProfile", zero, c: int, gatherable: int) -> int:
@@ -281,6 +339,24 @@ def accumulation(zero, stage: int, c: int, t: int, world: int, accum: int,
     if offload_opt:
         return c * t, 0, 0
     return c * t - partition, partition if zero.contiguous_gradients else 0, 0
+
+
+def accumulation_start(profile: "ActivationProfile", zero) -> int:
+    """ZeRO-1/2 with accumulation: how many layers (from the top) run their backward before the partition
+    `accumulation` counts in the backward is made.
+
+    DeepSpeed 0.19.8 makes it at the backward's first bucket reduction (copy_grads_in_partition from reduce_ipg_grads):
+    once reduce_bucket_size gradient elements have come in, or at the epilogue. Traced on 2 gloo CPU ranks (ZeRO-1,
+    micro-batch 2, accumulation 2, rank 1): the head's and layer 3's MLP gradients filled the first bucket inside
+    layer 3's backward, after its transient's peak; the step's peak was in layer 2's backward, the partition alive.
+    So a layer's backward holds it when the gradients before it reach a bucket. Those before the layers are counted
+    as every parameter outside them, the embedding's included (its gradient comes last: an upper bound, it makes
+    the partition sooner); at most every layer (the embedding's backward holds it). Not measured on GPU."""
+    outside = profile.num_params - profile.num_layers * profile.largest_layer_params
+    bucket = int(zero.reduce_bucket_size)
+    if outside >= bucket or profile.largest_layer_params <= 0:
+        return 0
+    return min(profile.num_layers, -(-(bucket - outside) // profile.largest_layer_params))
 
 
 def offload_optimizer(profile: "ActivationProfile", zero, stage: int, c: int, t: int, world: int, optimizer: int,

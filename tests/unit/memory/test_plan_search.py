@@ -299,7 +299,8 @@ def test_each_plan_is_the_solvers_under_a_tight_budget(tmp_path):
         profile = fam.profile if x.exact else fam.profile.scaled(x.config.micro_batch)
         seconds = {c: choice_seconds(profile, result.rates, c) for c in fam.choices}
         fresh = solve(profile, activation_limit(profile, x.states, fam.choices, result.budget), fam.choices, seconds,
-                      backward_extra=x.states.backward, reduction=x.states.reduction)
+                      backward_extra=x.states.backward, reduction=x.states.reduction,
+                      release=x.states.release)
         if all(c.mode == "keep" for c in x.layers):
             continue
         solved += 1
@@ -326,7 +327,7 @@ def _fastest_of_every_plan(profile, states, choices, seconds, budget, walks: dic
         key = (profile.target.micro_batch_size, states.backward_terms, plan)
         if key not in walks:
             pred = predict(profile, states, plan)
-            walks[key] = (pred.activation_peak + pred.reduce_buffers, pred.margin)
+            walks[key] = (pred.activation_peak + pred.reduce_buffers - pred.released, pred.margin)
         act, margin = walks[key]
         if states.total + max(act, states.update) + margin <= budget:
             best = min(best, sum(seconds[c] for c in plan))

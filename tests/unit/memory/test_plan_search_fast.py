@@ -63,7 +63,7 @@ def _one_by_one(recipe, ds: dict, hw, nodes: int, tokens: int, budget: int, host
                 plan = keep if predict(profile, states, keep).peak <= budget else solve(
                     profile, activation_limit(profile, states, fam.choices, budget), fam.choices,
                     {c: choice_seconds(profile, rates, c) for c in fam.choices}, backward_extra=states.backward,
-                    reduction=states.reduction)
+                    reduction=states.reduction, release=states.release)
                 if plan is None:
                     dropped["GPU memory exceeded (no per-layer plan fits)"] += 1
                     continue

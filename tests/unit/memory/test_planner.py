@@ -399,6 +399,87 @@ def test_zero12_reduce_buffers_count_in_the_backward_only(tiny):
         assert planner.feasible(profile, need - 1, choices, *small.backward_terms) is None
 
 
+def test_zero3_backward_releases_gathered_layers_and_counts_the_reduction(tiny):
+    """ZeRO-3 keeping every gathered parameter into the backward (2 ranks, the default reuse distance): the backward
+    has no prefetch buffer and frees each layer's gathered parameters after its backward (DeepSpeed's
+    release_sub_module), and a gradient bucket's reduction flattens it once more, twice on CPU (gloo's copy). Counted
+    by hand from the model's own parameters (numel above the persistence threshold): every phase of the walk, the
+    peak, and the solver's limit to the byte."""
+    from dataclasses import replace
+
+    _, config, profile = tiny
+    ds = load_ds_config(ZERO3)
+    ds["zero_optimization"].update(reduce_bucket_size=1e5, stage3_prefetch_bucket_size=1e5,
+                                   stage3_param_persistence_threshold=128)
+    sizes = [p.numel() for p in fake_model(config, 1, profile.target).model.layers[0].parameters()]
+    every = [p.numel() for p in fake_model(config, config.num_hidden_layers, profile.target).parameters()]
+    gathered_layer = 4 * sum(n for n in sizes if n > 128)
+    prefetch = 4 * min(100_000 + max(every), sum(n for n in every if n > 128))
+    flat = 4 * min(sum(every), max(100_000, max(every)))
+    states = model_states(profile, ds, Target("cpu", "float32", 1, 128, 2))
+    # a layer's persistent norms are the model's persistent elements shared over the layers, the final norm's with
+    # them: per layer its share of the final norm less released than the layer really gathers (states.zero3_buffers)
+    final_norm_share = 4 * (config.hidden_size // config.num_hidden_layers)
+    assert states.release.first == prefetch and states.release.per_layer == gathered_layer - final_norm_share
+    gathered_layer = states.release.per_layer
+    assert states.reduce_scratch == 2 * flat  # the flatten copy and gloo's
+    on_gpu = model_states(profile, ds, Target("cuda", "float32", 1, 128, 2))
+    assert on_gpu.reduce_scratch == flat and on_gpu.release == states.release
+    plan, keep = ("keep",) * 4, profile.layers["keep"]
+    released = lambda done: prefetch + done * gathered_layer  # noqa: E731
+    by_hand = {
+        "logits/loss": profile.base + 4 * keep.resident + profile.head_excess,
+        "embedding backward": profile.base + profile.head_net + max(profile.tail_excess, 2 * flat) - released(4),
+        **{f"forward of layer {i}": profile.base + i * keep.resident + keep.fwd_excess for i in range(4)},
+        **{f"backward of layer {i}": profile.base + (i + 1) * keep.resident + profile.head_net
+           + max(keep.bwd_excess, 2 * flat) - released(3 - i) for i in range(4)}}
+    pred = predict(profile, states, plan)
+    assert pred.peak == states.total + max(by_hand.values()) + pred.margin, (by_hand, pred)
+    # a transient large enough that the backward of the top layer is the peak: what the layers below it still hold
+    heavy = replace(profile, layers={**profile.layers, "keep": replace(keep, bwd_excess=4 * flat + prefetch)})
+    pred = predict(heavy, states, plan)
+    assert pred.phase == "backward of layer 3" and pred.released == prefetch
+    for scratch in (0, 3 * keep.bwd_excess):
+        small = replace(states, reduce_scratch=scratch)
+        pred = predict(heavy, small, plan)
+        need = pred.activation_peak + pred.reduce_buffers - pred.released
+        choices = (LayerChoice("keep"),)
+        assert planner.feasible(heavy, need, choices, *small.backward_terms) is not None
+        assert planner.feasible(heavy, need - 1, choices, *small.backward_terms) is None
+
+def test_zero12_accumulation_partition_comes_with_the_first_reduction(tiny):
+    """ZeRO-1/2 with accumulation: the partition a later micro-step's backward makes (ModelStates.accumulating) comes
+    at the first bucket reduction, once a bucket's worth of gradients has come in: the top layers' backward, before
+    that, does not hold it. Counted by hand from the model's parameters (those outside the layers first, then a
+    layer's at a time): every backward phase, the peak, and the solver's limit to the byte."""
+    _, config, profile = tiny
+    layer = sum(p.numel() for p in fake_model(config, 1, profile.target).model.layers[0].parameters())
+    every = sum(p.numel() for p in fake_model(config, config.num_hidden_layers, profile.target).parameters())
+    outside, layers = every - config.num_hidden_layers * layer, config.num_hidden_layers
+    keep = profile.layers["keep"]
+    for stage, bucket in ((1, outside + layer + 1), (2, outside + 1), (2, 10**9), (1, outside)):
+        ds = load_ds_config(str(ROOT / "ds_configs" / "zero2_ckpt.json"))
+        ds["zero_optimization"].update(stage=stage, reduce_bucket_size=bucket)
+        states = model_states(profile, ds, Target("cpu", "float32", 1, 128, 2, grad_accum=2))
+        late = min(layers, max(0, -(-(bucket - outside) // layer)))  # layers whose backward starts before a bucket
+        assert states.accumulating > 0 and states.release.late == states.accumulating, stage
+        made = lambda done: 0 if done < late else states.accumulating  # noqa: E731
+        extra = states.backward - states.accumulating
+        by_hand = {
+            "logits/loss": profile.base + layers * keep.resident + profile.head_excess,
+            "embedding backward": profile.base + profile.head_net + max(profile.tail_excess, states.reduction)
+            + extra + made(layers),
+            **{f"forward of layer {i}": profile.base + i * keep.resident + keep.fwd_excess for i in range(layers)},
+            **{f"backward of layer {i}": profile.base + (i + 1) * keep.resident + profile.head_net
+               + max(keep.bwd_excess, states.reduction) + extra + made(layers - 1 - i) for i in range(layers)}}
+        pred = predict(profile, states, ("keep",) * layers)
+        assert pred.peak == states.total + max(by_hand.values()) + pred.margin, (stage, bucket, by_hand, pred)
+        need = pred.activation_peak + pred.reduce_buffers - pred.released
+        choices = (LayerChoice("keep"),)
+        assert planner.feasible(profile, need, choices, *states.backward_terms) is not None
+        assert planner.feasible(profile, need - 1, choices, *states.backward_terms) is None
+    assert 0 < -(-(outside + layer + 1 - outside) // layer) < layers  # the first case: the top two layers without it
+
 def test_a_layer_without_an_mlp_sublayer_plans_every_other_policy():
     """OPT's MLP is fc1/fc2 directly on the layer: the memory model measures keep/op/attn/full for it (no 'mlp'),
     so every policy but selective:mlp is planned; selective:mlp is one line naming the layer's submodules."""
