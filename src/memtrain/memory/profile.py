@@ -220,17 +220,19 @@ class _NoFlops:
 def fake_model(config, num_layers: int, target: Target):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 transformers: heavy, imported only when this runs
 
+    # Everything the model is given (adapters, tiled MLPs, the loss) is made on the same fake device as its weights:
+    # a fake CPU adapter beside a fake CUDA weight stops the profile (seen on an H100, 2026-11-27).
     with torch.device(_fake_device(target)):
         model = AutoModelForCausalLM.from_config(_layer_config(config, num_layers), dtype=target.torch_dtype)
-    # the run's loss and tiled MLPs, so the profile measures what they keep. Under sequence
-    # parallelism the profile is one rank's slice of tokens with all heads: the same bytes as
-    # Ulysses' full sequence on heads/sp (its all-to-all buffers: memtrain.memory.ulysses).
-    if target.lora is not None:  # the adapters' weights and what they keep; peft freezes the base weights
-
-        add_lora(model, target.lora, dtype=target.torch_dtype)
-        freeze(model)  # as the trainer: the frozen embedding's output requires grad (the first layer's backward)
-    install_tiled_mlp(decoder_layers(model)[1], tiled_mlp_shards(target.tiled_mlp, target.seq_len, config.hidden_size))
-    install_loss(model, fused=target.loss == "fused" and not fused_unsupported(model, model.get_output_embeddings()))
+        # the run's loss and tiled MLPs, so the profile measures what they keep. Under sequence
+        # parallelism the profile is one rank's slice of tokens with all heads: the same bytes as
+        # Ulysses' full sequence on heads/sp (its all-to-all buffers: memtrain.memory.ulysses).
+        if target.lora is not None:  # the adapters' weights and what they keep; peft freezes the base weights
+            add_lora(model, target.lora, dtype=target.torch_dtype)
+            freeze(model)  # as the trainer: the frozen embedding's output requires grad (the first layer's backward)
+        install_tiled_mlp(decoder_layers(model)[1],
+                          tiled_mlp_shards(target.tiled_mlp, target.seq_len, config.hidden_size))
+        install_loss(model, fused=target.loss == "fused" and not fused_unsupported(model, model.get_output_embeddings()))
     return model.train()
 
 

@@ -526,6 +526,26 @@ def test_predict_run_of_a_lora_run_matches_the_allocator(policy):
     assert pred.activation_peak == pytest.approx(measured, rel=0.05), (policy, pred.phase)
 
 
+def test_fake_model_makes_the_adapters_on_the_weights_device(monkeypatch):
+    """The profile's model with LoRA, tiled MLPs and the fused loss: every parameter and buffer on the fake device
+    its base weights are on. On a GPU the profile fakes CUDA tensors; an adapter made on the CPU beside them
+    stopped a LoRA run at start-up (H100, 2026-11-27). A CPU build cannot fake CUDA, so the meta device stands in
+    for the fake device here: the adapters must follow it."""
+    from dataclasses import replace
+
+    import memtrain.memory.profile as profile
+
+    recipe = load_recipe(None, ["model.lora.r=4", "activation_checkpointing.tiled_mlp=2"])
+    config = model_and_config(recipe)
+    target = replace(make_target(recipe, load_ds_config(ZERO3), 1, "cpu"), seq_len=64)
+    assert target.lora is not None
+    monkeypatch.setattr(profile, "_fake_device", lambda target: "meta")
+    model = fake_model(config, 2, target)
+    devices = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
+    assert sum(".lora_" in n for n, _ in model.named_parameters()) == 2 * 7 * 2
+    assert devices == {"meta"}, devices
+
+
 def test_zero12_accumulation_terms_by_phase(tiny):
     """Gradient accumulation 2 (make_target reads train.grad_accum_steps): ZeRO-2 holds one more gradient partition
     in a later micro-step's backward only; ZeRO-1 with overlap_comm holds every whole .grad between micro-steps
