@@ -1,13 +1,10 @@
-"""memtrain's offload of checkpointed activations (cpu_checkpointing), on CPU.
-
-In-process tests run the real scheduling code (slots, prefetch, pool) with two copy engines:
-the CPU one the trainer uses (plain copies), and `DeferredCopies`, which behaves like CUDA's
-side stream (copies run later, in order, only once waited for), so a missing wait or a buffer
-recycled too early shows up as wrong numbers. One launch checks the real ZeRO-3 path.
-"""
+"""`make bench` and `make gpu-check` on CPU: set-up names, the gpu-check report written after each set-up, `--resume`,
+the version line and the flags' one-line errors. The set-ups themselves run on a GPU only."""
 import json
 
 import pytest
+import torch
+from conftest import ROOT
 
 from memtrain.errors import UserError
 
@@ -93,7 +90,8 @@ def test_gpu_check_resume_keeps_what_measured_and_runs_failures_again(tmp_path, 
     from memtrain.tools.bench.__main__ import measured_before, write_gpu_check
 
     ok = lambda name, **kw: {"setup": name, "label": name, "micro_batch": 8, "tokens_per_s": 1.0, **kw}  # noqa: E731
-    results = [ok("torch:noac", peak_gib=50.0, measured_at="2026-11-26 10:00:00 UTC"), ok("memtrain:op"),
+    results = [ok("torch:noac", peak_gib=50.0, measured_at="2026-11-26 10:00:00 UTC", software="torch 2.11.0"),
+               ok("memtrain:op", software="torch 2.11.0"),
                {"setup": "memtrain:full", "label": "", "micro_batch": 8, "oom": False, "error": "boom"},
                {"setup": "memtrain:none", "label": "", "micro_batch": 8, "oom": True}]
     write_gpu_check(tmp_path, "NVIDIA H200", "t", results, {})
@@ -102,12 +100,24 @@ def test_gpu_check_resume_keeps_what_measured_and_runs_failures_again(tmp_path, 
     assert "is the report of another check ('t', not 'on 8 x NVIDIA H200')" in capsys.readouterr().out
     kept = measured_before(tmp_path, "NVIDIA H200", "t", ["memtrain:op", "memtrain:full", "torch:noac"])
     assert [r["setup"] for r in kept] == ["memtrain:op", "torch:noac", "memtrain:none"]
-    later = ok("memtrain:full", measured_at="2026-11-26 10:09:00 UTC")
+    later = ok("memtrain:full", measured_at="2026-11-26 10:09:00 UTC", software="torch 2.13.0")
     report = write_gpu_check(tmp_path, "NVIDIA H200", "t", [*kept, later], {})
     assert "Measured 2026-11-26 10:00:00 UTC to 2026-11-26 10:09:00 UTC." in report
+    assert "Software: torch 2.11.0; torch 2.13.0." in report  # a resumed check says when its calls' versions differ
     (tmp_path / "NVIDIA-H200.json").write_text('{"title": "t", "res')  # cut short by hand: measured again, one line
     assert measured_before(tmp_path, "NVIDIA H200", "t", ["torch:noac"]) == []
     assert "cannot be read" in capsys.readouterr().out
+
+
+def test_gpu_check_names_the_versions_it_runs():
+    """The report's software line: torch's own version and the installed transformers and DeepSpeed, read from
+    their metadata (here: requirements.lock's pins)."""
+    from memtrain.tools.bench.__main__ import software_versions
+
+    pins = dict(line.strip().split("==") for line in (ROOT / "requirements.lock").read_text().splitlines()
+                if line.startswith(("transformers==", "deepspeed==")))
+    assert software_versions() == (f"torch {torch.__version__}, transformers {pins['transformers']}, "
+                                   f"DeepSpeed {pins['deepspeed']}")
 
 
 @pytest.mark.parametrize("argv, line", [

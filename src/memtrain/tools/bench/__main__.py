@@ -88,6 +88,8 @@ def write_gpu_check(out: Path, device: str, title: str, results: list[dict], log
     set-up, so a run cut short keeps what it measured and `train.compile: auto` can read it at once."""
     when = sorted(r["measured_at"] for r in results if r.get("measured_at"))
     span = [f"Measured {when[0]}" + (f" to {when[-1]}" if when[-1] != when[0] else "") + ".", ""] if when else []
+    software = sorted({r["software"] for r in results if r.get("software")})  # one line a call, if they differ
+    span += [f"Software: {'; '.join(software)}.", ""] if software else []
     report = "\n".join([f"## {title}", "", *span, gpu_check_markdown(results), "",
                         "Targets (each a ratio measured in this run):", *gpu_check_targets(results)])
     out.mkdir(parents=True, exist_ok=True)
@@ -98,6 +100,21 @@ def write_gpu_check(out: Path, device: str, title: str, results: list[dict], log
     if failed:  # what those processes printed, to see why
         (out / "failed.log").write_text("\n\n".join(logs[name] for name in failed))
     return report
+
+
+def software_versions() -> str:
+    """The versions a gpu-check measures with, as its report prints them. The packages' own metadata, found in the
+    order Python imports them (so a carried `.whl` install on PYTHONPATH is the one named), without importing them."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415 used only here
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""
+    return f"torch {torch.__version__}{cuda}, transformers {of('transformers')}, DeepSpeed {of('deepspeed')}"
 
 
 def measured_before(out: Path, device: str, title: str, names: list[str]) -> list[dict]:
@@ -141,6 +158,7 @@ def gpu_check(args) -> None:
     title = f"memtrain gpu-check: {BENCH_RECIPE} (seq 2048, bf16) with {args.deepspeed} on {ngpus} x {device}"
     out = args.out or Path("reports/gpu")
     results: list[dict] = measured_before(out, device, title, names) if args.resume else []
+    software = software_versions()
     if results:
         print(f"gpu-check --resume: kept {len(results)} set-ups measured earlier on this device: "
               f"{', '.join(r['setup'] for r in results)}", flush=True)
@@ -151,6 +169,7 @@ def gpu_check(args) -> None:
         bar.set_postfix(setup=name)
         result = measure_setup(run, name, results)
         result["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        result["software"] = software
         results.append(result)
         tqdm.write(json.dumps(result))
         report = write_gpu_check(out, device, title, results, run.logs)
