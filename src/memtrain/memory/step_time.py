@@ -42,7 +42,7 @@ ZERO_OVERLAP = 0.8
 # A CPU device has no side streams: DeepSpeed's CPU accelerator returns None for Stream(), a no-op context
 # for stream() and is_synchronized_device() True (deepspeed/accelerator/cpu_accelerator.py, 0.19.8), and gloo's
 # collectives block, so every gather and reduction runs on the compute path. Measured on the CPU proxy
-# (wall_clock_breakdown, 2 gloo ranks, docs/planner-search.md): ZeRO's reduction shows as its own serial
+# (wall_clock_breakdown, 2 gloo ranks, reports/readme/cpu-proxy/README.md): ZeRO's reduction shows as its own serial
 # `bwd_allreduce` time after the backward's compute.
 ZERO_OVERLAP_CPU = 0.0
 # Seconds each collective call costs beyond its bytes: Calculon's systems/h100_80g_nvl8.json
