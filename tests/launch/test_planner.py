@@ -113,7 +113,7 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # the step's peak of CPU tensor bytes (the second step, the highest of its micro-steps: bytes alive before one
         # plus the CPU allocator's highest rise in it, from torch.profiler's memory events) against
         # memtrain.memory.predict's peak; on CPU the host's part (offloaded states) is the same memory, so it is added.
-        # Measured 2026-11-27 (docs/planner-search.md): ZeRO-0 within 0.01% (its all-reduce's flat gradient copy after
+        # Measured 2026-11-27 (reports/readme/plan-grid-cpu.md): ZeRO-0 within 0.01% (its all-reduce's flat gradient copy after
         # the backward). ZeRO-1/2: the configuration's peak is its busiest rank's. DeepSpeed makes a rank's gradient
         # partition at the first reduction of a gradient it owns (stage_1_and_2 copy_grads_in_partition), so the last
         # rank, which owns the head and the last layers, makes it in the last layer's backward and peaks there; rank 0

@@ -1,4 +1,4 @@
-"""The CPU proxy's pooled fit and its offline checks (docs/planner-search.md): runs measured by
+"""The CPU proxy's pooled fit and its offline checks (reports/readme/cpu-proxy/README.md): runs measured by
 `plan --search ... --verify` (under any earlier sheet or calibration) are scored again under cpu-2.yaml, fed round by
 round to `--verify`'s own calibrate (each round's points appended to the file's, the figures fitted on all), and the
 fit is checked on runs it did not see: leave one configuration out, and one round fitted on the others.

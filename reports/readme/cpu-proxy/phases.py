@@ -1,4 +1,4 @@
-"""Per-step phase times of CPU-proxy runs from DeepSpeed's wall_clock_breakdown (docs/planner-search.md).
+"""Per-step phase times of CPU-proxy runs from DeepSpeed's wall_clock_breakdown (reports/readme/cpu-proxy/README.md).
 
 Each run's ds.json had "wall_clock_breakdown": true and "steps_per_print": 1; rank 0 then prints
 "time (ms) | fwd: … | bwd: … | bwd_inner: … | bwd_allreduce: … | step: …" (and, under ZeRO-1/2,

@@ -7,7 +7,7 @@ rates are all >= 0: exact for the three rates the model has).
 
 Given each run's measured step seconds, the squares are of relative errors (each run's row divided by its step):
 tokens/s and the ranking are relative, and in seconds the slowest runs decide the rates. Measured on the CPU
-proxy (round E, docs/planner-search.md): fitted in seconds, the two 0.8-1 s Ulysses runs (hundreds of
+proxy (round E, reports/readme/cpu-proxy/README.md): fitted in seconds, the two 0.8-1 s Ulysses runs (hundreds of
 collective calls) set `layer_s` to 0 and left the 0.13-0.23 s runs, the winner's candidates, up to 40% off.
 
 With `link=True` the fit has one more rate: seconds per byte a rank sends over its intra-node link

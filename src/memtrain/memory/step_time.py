@@ -42,7 +42,7 @@ ZERO_OVERLAP = 0.8
 # A CPU device has no side streams: DeepSpeed's CPU accelerator returns None for Stream(), a no-op context
 # for stream() and is_synchronized_device() True (deepspeed/accelerator/cpu_accelerator.py, 0.19.8), and gloo's
 # collectives block, so every gather and reduction runs on the compute path. Measured on the CPU proxy
-# (wall_clock_breakdown, 2 gloo ranks, docs/planner-search.md): ZeRO's reduction shows as its own serial
+# (wall_clock_breakdown, 2 gloo ranks, reports/readme/cpu-proxy/README.md): ZeRO's reduction shows as its own serial
 # `bwd_allreduce` time after the backward's compute.
 ZERO_OVERLAP_CPU = 0.0
 # Seconds each collective call costs beyond its bytes: Calculon's systems/h100_80g_nvl8.json
@@ -51,10 +51,12 @@ LATENCY_S = {False: 10e-6, True: 20e-6}  # crosses nodes?
 # Adam per trained parameter: fp32 master, exp_avg and exp_avg_sq read and written (24), the fp32
 # gradient read (4), the compute-dtype parameter written back (2).
 ADAM_BYTES_PER_PARAM = 30
-# Share of a layer's forward-and-backward calls a recompute runs again: the forward's (full) or one
-# block's (attn, mlp, op). An assumption, not measured: a layer's backward runs about as many calls as its
-# forward, so a full recompute adds half.
-RECOMPUTE_CALLS = {"keep": 0.0, "full": 0.5}
+# Share of a layer's forward-and-backward calls a recompute runs again: the forward's (full, op) or one
+# block's (attn, mlp). An assumption: a layer's backward runs about as many calls as its forward, so a full
+# recompute adds half. Op-level recompute runs the whole forward again too: torch's selective checkpoint
+# dispatches every op and returns the saved ones from its cache. Counted in process (aten ops of a tiny Llama's
+# step, tests/unit/memory/test_recompute_calls.py): op re-runs 0.61 of a layer's calls, full 0.60.
+RECOMPUTE_CALLS = {"keep": 0.0, "full": 0.5, "op": 0.5}
 RECOMPUTE_CALLS_PARTIAL = 0.25
 
 
