@@ -10,6 +10,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from conftest import ROOT
 from memtrain.config.ds_config import load_ds_config
 from memtrain.config.recipe import load_recipe
+from memtrain.memory.predict import Prediction
 from memtrain.memory.profile import ActivationProfile
 from memtrain.memory.states import model_states, zero_config
 from memtrain.memory.target import Target, model_and_config
@@ -55,3 +56,13 @@ def test_zero3_step_holds_one_sub_group_flat_and_in_fp32(llama_1b):
     # the step is policy full's peak on one H100: measured 64 MiB above the exact count, within 3% of memtrain's
     assert states.total + states.without_activations == pytest.approx(H100_FULL_PEAK, rel=0.03)
     assert states.total + exact + 64 * 2 ** 20 == pytest.approx(H100_FULL_PEAK, abs=16 * 2 ** 10)
+
+
+def test_peak_at_names_the_step_when_it_holds_more_than_the_activations(llama_1b):
+    """make plan's 'peak at': policy full on one H100 peaks at the step (above); none at its activations."""
+    _, profile, ds = llama_1b
+    states = model_states(profile, ds, profile.target)
+    full, none = 3_341_435_904, 33_637_532_672  # make plan's activation peaks of full and none (bytes)
+    at = {name: Prediction(states, 0, {}, 0, 0, activations, 0, "backward of layer 21").peak_at
+          for name, activations in (("full", full), ("none", none))}
+    assert at == {"full": "optimizer step", "none": "backward of layer 21"}
