@@ -64,10 +64,20 @@ class Prediction:
         return self.model_states.total + max(self.activation_peak + self.reduce_buffers - self.released,
                                              self.model_states.without_activations) + self.margin
 
+    @property
+    def peak_at(self) -> str:
+        """Where `peak` is: `phase`, or after the backward where what is held then without activations is more (the
+        optimizer step's gradients: policy full's peak on one H100, reports/readme/gpu-h100-prediction.md)."""
+        states = self.model_states
+        if states.without_activations <= self.activation_peak + self.reduce_buffers - self.released:
+            return self.phase
+        return "optimizer step" if states.update >= states.allreduce_copy else "gradient all-reduce"
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["model_states"]["total"] = self.model_states.total
         d["peak"] = self.peak
+        d["peak_at"] = self.peak_at
         return d
 
 

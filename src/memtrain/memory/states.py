@@ -51,7 +51,7 @@ class ModelStates:
     buckets: int  # ZeRO-3's contiguous reduce bucket (allocated in full, whatever the model size)
     persistent: int  # ZeRO-3: parameters below the persistence threshold, also kept whole on every rank
     gathered: int  # ZeRO-3: the module being computed and the prefetch bucket, gathered in full
-    update: int  # fp32 gradients made for the update (mixed precision); only during the step, with no activations
+    update: int  # fp32 gradients made for the update (mixed precision; ZeRO-3: zero3_update); only during the step
     host: int  # offloaded to host memory (not part of the device peak)
     reduce_buckets: int = 0  # ZeRO-1/2 ipg reduce buckets: live from the first gradient to the end of the backward
     reduce_scratch: int = 0  # the flattened copy of one bucket while it is reduced (`reduction`; ZeRO-1/2 and -3)
@@ -178,6 +178,8 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     grads = c * t // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
     optimizer = (master + 8) * t // (world if stage >= 1 else 1)
     update = 4 * t // (world if stage >= 1 else 1) if mixed else 0
+    if stage == 3 and mixed:
+        update = zero3_update(profile, zero, c, t, world)
     buckets, persistent, gathered, release = zero3_buffers(profile, ds_config, zero, c, world, q) if stage == 3 \
         else (0, 0, 0, Release())
     persistent += c * profile.replicated if split else 0  # the replicated parameters also kept whole
@@ -260,6 +262,23 @@ def zero3_buffers(profile: "ActivationProfile", ds_config: dict, zero, c: int, w
             layer = profile.largest_layer_params - -(-small // max(profile.num_layers, 1))
             release = Release(prefetch_buffer(profile, zero, c, n - small), c * max(layer, 0) if not q else 0)
     return buckets, persistent, gathered, release
+
+
+def zero3_update(profile: "ActivationProfile", zero, c: int, trained: int, world: int) -> int:
+    """ZeRO-3 in mixed precision: what the optimizer step holds beside the states (`ModelStates.update`).
+
+    DeepSpeed 0.19.8 (stage3.py step -> _prepare_fp32_grad_for_sub_group) updates one sub group at a time: it
+    flattens the sub group's gradient partitions into one tensor in the compute dtype (torch.cat) and converts that
+    to fp32, both alive at once (c + 4 bytes an element); the fp32 copy lives through the sub group's update and is
+    freed after it (_release_sub_group), before the next sub group's. _create_fp16_sub_groups cuts the trained
+    parameters in model order, closing a group on the parameter that takes it to sub_group_size partition elements:
+    the largest group holds less than sub_group_size plus the largest parameter's partition, counted so (an upper
+    bound), and at most the whole partition. One H100 (llama-1b, bf16, 2026-11-27): measured 64 MiB above the exact
+    count (see reports/readme/gpu-h100-prediction.md). fp32 training (flatten's copy only, 4 bytes an element) is not
+    counted: not measured."""
+    partition = -(-trained // world)
+    largest = -(-largest_param(profile) // world)
+    return (c + 4) * min(partition, max(int(zero.sub_group_size), 1) + largest - 1)
 
 
 def zero3_reduction(profile: "ActivationProfile", zero, c: int, trained: int, target: Target) -> int:

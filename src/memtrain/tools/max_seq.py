@@ -125,7 +125,7 @@ def max_seq_report(recipe, ds_config: dict, world: int, device: Optional[str], b
                            "max_seq": tokens * sp, "tokens_per_rank": tokens,
                            "runs_out_first": "device" if dev_t <= host_t else "host",
                            "device_peak_gib": pred(tokens).peak / GIB if tokens else None,
-                           "peak_at": pred(tokens).phase if tokens else None,
+                           "peak_at": pred(tokens).peak_at if tokens else None,
                            "host_gib": host(tokens) / GIB if tokens else None}
                     if tokens == limit // sp:
                         row["runs_out_first"] = (f"neither: the model's {positions} positions bind" if limit == positions

@@ -156,7 +156,8 @@ def _policy_row(policy: str, pred, flops: float, seconds: Optional[float], notes
             "logits_and_loss": pred.logits_and_loss, "activation_peak": pred.activation_peak,
             "prefetched": pred.prefetched, "side_stream": pred.side_stream,
             "reduce_buffers": pred.reduce_buffers, "margin": pred.margin, "peak": pred.peak,
-            "phase": pred.phase, "recompute_flops": flops, "extra_seconds": seconds, "notes": list(notes)}
+            "phase": pred.phase, "peak_at": pred.peak_at, "recompute_flops": flops, "extra_seconds": seconds,
+            "notes": list(notes)}
 
 
 def _extra_rows(spec, num_layers: int) -> dict:
@@ -213,8 +214,8 @@ def _summary_lines(r: dict) -> list:
            f" + gathered parameters {g(ms['gathered'])}" if r["zero_stage"] == 3 else "")
         + (f"; in the backward: ZeRO-{r['zero_stage']} reduce buckets {g(ms['reduce_buckets'])}"
            f" + reduce scratch {g(ms['reduce_scratch'])}" if ms["reduce_buckets"] or ms["reduce_scratch"] else "")
-        + (f"; the update's fp32 gradients {g(ms['update'])} (optimizer step, no activations then)"
-           if ms["update"] else "")
+        + (f"; the update's gradients {g(ms['update'])} (optimizer step, no activations then"
+           + (": one sub group flat and in fp32)" if r["zero_stage"] == 3 else ": fp32)") if ms["update"] else "")
         + (f"; on host: {g(ms['host'])}" if ms["host"] else ""),
         "",
     ]
@@ -236,7 +237,7 @@ def _policy_table(r: dict) -> list:
         per_layer = "mixed" if len(p["saved_per_layer"]) > 1 else g(next(iter(p["saved_per_layer"].values())))
         row = [p["policy"], per_layer, g(p["saved_activations"]), g(p["recompute_working_set"]),
                g(p["logits_and_loss"]), g(p["activation_peak"]), g(p["prefetched"] + p["side_stream"]),
-               g(p["reduce_buffers"]), g(p["margin"]), g(p["peak"]), p["phase"],
+               g(p["reduce_buffers"]), g(p["margin"]), g(p["peak"]), p["peak_at"],
                f"{p['recompute_flops'] / 1e12:.3f}",
                f"{p['extra_seconds'] * 1e3:.1f}" if p["extra_seconds"] is not None
                and r["rates"]["device"] == t["device"] else "-"]
