@@ -114,10 +114,20 @@ def partitioned_eager(gm: torch.fx.GraphModule, example_inputs):
     (memtrain.memory.profile measures them on fake tensors)."""
     from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415 torch._dynamo, inductor: seconds to import; only a compiled profile uses them
     from torch._dynamo.backends.debugging import get_nop_func  # noqa: PLC0415 as above
-    from torch._inductor.compile_fx import partition_fn, select_decomp_table  # noqa: PLC0415 as above
+    from torch._inductor import compile_fx  # noqa: PLC0415 as above
 
-    return aot_autograd(fw_compiler=get_nop_func(), bw_compiler=get_nop_func(), decompositions=select_decomp_table(),
-                        partition_fn=partition_fn)(gm, example_inputs)
+    # inductor's own partition step (joint-graph passes, then the min-cut partitioner); where a torch has none by that
+    # name, the partitioner as inductor calls it (torch's aot_eager_decomp_partition)
+    partition = getattr(compile_fx, "partition_fn", None) or functools.partial(
+        _min_cut_partition(), compiler="inductor")
+    return aot_autograd(fw_compiler=get_nop_func(), bw_compiler=get_nop_func(),
+                        decompositions=compile_fx.select_decomp_table(), partition_fn=partition)(gm, example_inputs)
+
+
+def _min_cut_partition() -> Callable:
+    from functorch.compile import min_cut_rematerialization_partition  # noqa: PLC0415 functorch: seconds to import; an older torch's fallback only
+
+    return min_cut_rematerialization_partition
 
 
 def _own_code(fn: Callable) -> Callable:
