@@ -22,7 +22,7 @@ from memtrain.recompute.compiled import CompiledLayers, partitioned_eager
 from memtrain.recompute.hooks import apply_plan, remove_plan
 from memtrain.recompute.units import find_sublayer
 from memtrain.memory import profile_cache, tensor_parallel, ulysses
-from memtrain.recompute.meter import ActivationMeter, StepTracker
+from memtrain.recompute.meter import ActivationMeter, CompiledCodeTracker, StepTracker
 from memtrain.memory.target import Target
 from memtrain.model.attention import plain
 from memtrain.model.build import decoder_layers
@@ -154,9 +154,10 @@ def _run(model, modes, target: Target, count_flops: bool = True, compiled: Optio
     _, layers = decoder_layers(model)
     plan = mode_plan(model, modes)
     apply_plan(model, plan, (compiled or compiled_for_profile(plan.op_save)) if target.compiled else None)
-    # dynamo compiles nothing under torch's FLOP counter (the tracker lets it): a compiled run counts no FLOPs
+    # dynamo compiles nothing under torch's FLOP counter (CompiledCodeTracker lets it): a compiled run counts no FLOPs
     counter = flop_counter() if count_flops and not target.compiled else _NoFlops()
-    tracker = StepTracker(counter.get_total_flops, CUDA_BLOCK if target.device == "cuda" else 1)
+    tracker = (CompiledCodeTracker if target.compiled else StepTracker)(counter.get_total_flops,
+                                                                        CUDA_BLOCK if target.device == "cuda" else 1)
     state = {"backward": False, "input_bytes": 0}
     handles = []
 

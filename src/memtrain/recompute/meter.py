@@ -126,16 +126,6 @@ class StepTracker(TorchDispatchMode):
         self._live: dict[int, tuple[int, int, int]] = {}  # storage key -> (weak C++ ref, bytes, serial)
         self.written = 0  # bytes written into fresh storage: the memory-traffic proxy of the step
 
-    # a compiled region's higher-order ops (the recompute's saved RNG state) pass through __torch_dispatch__: their
-    # results are tracked, the ops inside them are not seen one by one
-    supports_higher_order_operators = True
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """torch.compile compiles under the tracker (dynamo skips compiling under any other dispatch mode), and the
-        tracker follows the compiled code's ops as they run, not the compiler's."""
-        return True
-
     def mark(self, name: str) -> None:
         self.sweep()
         self.marks[name] = (len(self.events), self.flops(), self.written)
@@ -179,3 +169,16 @@ class StepTracker(TorchDispatchMode):
             live += delta
             out.append(live)
         return out
+
+
+class CompiledCodeTracker(StepTracker):
+    """StepTracker for compiled layers (train.compile's profile): torch.compile compiles under it (dynamo compiles
+    nothing under another dispatch mode), and it follows the compiled code's ops as they run, not the compiler's.
+    A compiled region's higher-order ops (the recompute's saved RNG state) pass through it: their results are
+    tracked, the ops inside them are not seen one by one."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
