@@ -19,6 +19,10 @@ the segment's eager checkpoint.
 
 Shapes are static (`dynamic=False`): a run's batches have one shape, and a change would rather recompile, with
 a warning that names it (`CompileWatch`), than switch to slower dynamic kernels.
+
+The activation profile (memtrain.memory.profile) compiles the same callables with `partitioned_eager`: the layer split
+into forward and backward as inductor splits it, without code generation, so that fake tensors show what a compiled
+layer saves.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import hashlib
 import inspect
 import logging
 import types
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -87,7 +91,7 @@ class CompiledLayers:
     * `inner`: not compiled itself: the checkpoint a recomputed sublayer runs inside its compiled layer.
     """
 
-    def __init__(self, op_save: tuple[str, ...], backend="inductor") -> None:
+    def __init__(self, op_save: tuple[str, ...], backend: Union[str, Callable] = "inductor") -> None:
         _quiet_trace_warnings()
         # dynamo gives up compiling a code object after `recompile_limit` variants (8) and runs it eager from then
         # on. All layers share these functions: layer kinds x grad modes (DeepSpeed's checkpoint runs the forward
@@ -125,6 +129,7 @@ def partitioned_eager(gm: torch.fx.GraphModule, example_inputs):
 
 
 def _min_cut_partition() -> Callable:
+    """functorch's min-cut partitioner (imported only where a torch lacks inductor's own partition step)."""
     from functorch.compile import min_cut_rematerialization_partition  # noqa: PLC0415 functorch: seconds to import; an older torch's fallback only
 
     return min_cut_rematerialization_partition
