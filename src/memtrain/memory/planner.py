@@ -402,7 +402,7 @@ def suggest_fit(recipe, ds_config: dict, world_size: int, budget_bytes: int) -> 
 
 
 def predict_run(recipe, ds_config: dict, world_size: int, plan: ACPlan, config=None,
-                target: Optional[Target] = None) -> Prediction:
+                target: Optional[Target] = None, compiled: Optional[bool] = None) -> Prediction:
     """The predicted peak device memory per device of a run under any ACPlan the trainer applies
     (every policy: none, full, every/first, selective, op, sqrt segments, modules patterns, auto,
     with memtrain's or DeepSpeed's offload). Fake tensors only: seconds at start-up.
@@ -411,7 +411,7 @@ def predict_run(recipe, ds_config: dict, world_size: int, plan: ACPlan, config=N
     `plan.offload[i]`), `plan.segments` to sqrt units, `plan.modules` to per-layer measured modes
     (see memtrain.memory.predict.plan_choices); what cannot be modelled is said in `Prediction.notes`.
     `ds_config` is the run's DeepSpeed config (resolved or raw: 'auto' values are read as
-    memtrain resolves them)."""
-    target = target or make_target(recipe, ds_config, world_size)
+    memtrain resolves them). `compiled`: the decoder layers run compiled (default: train.compile true; memtrain.memory.target)."""
+    target = target or make_target(recipe, ds_config, world_size, compiled=compiled)
     config = config or model_and_config(recipe)
     return predict_plan(config, target, ds_config, plan)

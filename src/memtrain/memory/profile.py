@@ -18,10 +18,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.recompute.policy import LAYER_MODES, ACPlan, ATTN, FULL, KEEP, MLP, custom_plan
+from memtrain.recompute.compiled import CompiledLayers, partitioned_eager
 from memtrain.recompute.hooks import apply_plan, remove_plan
 from memtrain.recompute.units import find_sublayer
 from memtrain.memory import profile_cache, tensor_parallel, ulysses
-from memtrain.recompute.meter import ActivationMeter, StepTracker
+from memtrain.recompute.meter import ActivationMeter, CompiledCodeTracker, StepTracker
 from memtrain.memory.target import Target
 from memtrain.model.attention import plain
 from memtrain.model.build import decoder_layers
@@ -144,15 +145,19 @@ def mode_plan(model, modes) -> ACPlan:
     return custom_plan(layers, "torch", modules, policy="profile")
 
 
-def _run(model, modes, target: Target, count_flops: bool = True) -> dict:
+def _run(model, modes, target: Target, count_flops: bool = True, compiled: Optional[CompiledLayers] = None) -> dict:
     """One forward+backward under a per-layer plan (mode tuple or ACPlan): the live-bytes curve with
-    per-layer marks (and FLOPs, unless `count_flops` is false: then every FLOP figure is 0)."""
+    per-layer marks (and FLOPs, unless `count_flops` is false: then every FLOP figure is 0). A compiled target's
+    layers run through `compiled` (default: compiled afresh, `compiled_for_profile`)."""
     from memtrain.memory.flops import flop_counter  # noqa: PLC0415 flops registers its formulas at import (transformers, torch._dynamo: seconds)
 
     _, layers = decoder_layers(model)
-    apply_plan(model, mode_plan(model, modes))
-    counter = flop_counter() if count_flops else _NoFlops()
-    tracker = StepTracker(counter.get_total_flops, CUDA_BLOCK if target.device == "cuda" else 1)
+    plan = mode_plan(model, modes)
+    apply_plan(model, plan, (compiled or compiled_for_profile(plan.op_save)) if target.compiled else None)
+    # dynamo compiles nothing under torch's FLOP counter (CompiledCodeTracker lets it): a compiled run counts no FLOPs
+    counter = flop_counter() if count_flops and not target.compiled else _NoFlops()
+    tracker = (CompiledCodeTracker if target.compiled else StepTracker)(counter.get_total_flops,
+                                                                        CUDA_BLOCK if target.device == "cuda" else 1)
     state = {"backward": False, "input_bytes": 0}
     handles = []
 
@@ -202,6 +207,13 @@ def _run(model, modes, target: Target, count_flops: bool = True) -> dict:
         remove_plan(model)
     return {"curve": tracker.curve(), "marks": tracker.marks, "saved": meter.bytes,
             "input_bytes": state["input_bytes"], "largest_block": max((d for d, _ in tracker.events), default=0)}
+
+
+def compiled_for_profile(op_save: tuple[str, ...]) -> CompiledLayers:
+    """Layers compiled as inductor partitions them, without code generation (`partitioned_eager`), under code objects of
+    their own: one measurement's runs share its graphs, and dynamo's limit of recompiles per code object never makes
+    a later measurement run eager."""
+    return CompiledLayers(op_save, backend=partitioned_eager)
 
 
 class _NoFlops:
@@ -321,6 +333,8 @@ def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool 
     key = (config.to_json_string(), measured_part(target), _loss_code(target), modes, count_flops)
     if key not in _PROFILES:
         measured = _measure_profile(config, target, modes, count_flops)
+        if target.compiled and count_flops:
+            measured = with_time_terms(measured, _measure_profile(config, replace(target, compiled=False), modes))
         measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
         measured = tensor_parallel.mark_replicated(measured, full_config, target.tp)
         measured = ulysses.add_buffers(measured, config)  # its all-to-all buffers (sp > 1)
@@ -391,18 +405,32 @@ def _layer_cost(run, outside_saved: int, keep: Optional[LayerCost] = None) -> La
                    recompute_written=max(0.0, cost.bwd_written - keep.bwd_written))
 
 
+TIME_TERMS = ("fwd_flops", "bwd_flops", "bwd_written", "recompute_flops", "recompute_written")
+
+
+def with_time_terms(compiled: ActivationProfile, eager: ActivationProfile) -> ActivationProfile:
+    """A compiled layers' profile (`train.compile`) with the eager layers' FLOPs and bytes written: compiling moves no
+    matmul or attention (the FLOPs counted), and the step-time rates are fitted to eager layers. Its bytes are the
+    compiled layers' own."""
+    layers = {m: replace(c, **{k: getattr(eager.layers[m], k) for k in TIME_TERMS}) for m, c in compiled.layers.items()}
+    return replace(compiled, layers=layers)
+
+
 def _measure_profile(config, target: Target, modes: tuple[str, ...], count_flops: bool = True) -> ActivationProfile:
+    """See `_profiled`. A compiled target (`train.compile`) runs each layer as torch.compile partitions it (forward and
+    backward graphs as inductor splits them, run eagerly: memtrain.recompute.compiled.partitioned_eager)."""
     runs: dict[str, dict] = {}
     with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
         model = fake_model(config, 1, target)
+        compiled = compiled_for_profile(mode_plan(model, (KEEP,)).op_save) if target.compiled else None
         num_params, largest, param_sizes = _param_shapes(model, config.num_hidden_layers)
         quantized = _quantized_shapes(model, config.num_hidden_layers) if target.quantization is not None else ()
         layer = decoder_layers(model)[1][0]  # sublayer modes only where the layer has the sublayer (not OPT's MLP)
         modes = tuple(m for m in modes if m not in (ATTN, MLP) or find_sublayer(layer, m) is not None)
         for mode in modes:
-            runs[mode] = _run(model, (mode,), target, count_flops)
-        two_keep = _run(fake_model(config, 2, target), (KEEP, KEEP), target, count_flops)
-        deeper = [two_keep] + ([_run(fake_model(config, 2, target), (FULL, FULL), target, count_flops)]
+            runs[mode] = _run(model, (mode,), target, count_flops, compiled)
+        two_keep = _run(fake_model(config, 2, target), (KEEP, KEEP), target, count_flops, compiled)
+        deeper = [two_keep] + ([_run(fake_model(config, 2, target), (FULL, FULL), target, count_flops, compiled)]
                                if FULL in modes else [])
     outside_saved = 2 * runs[KEEP]["saved"] - two_keep["saved"]
     keep = _layer_cost(runs[KEEP], outside_saved)

@@ -36,6 +36,7 @@ class Target:
     packed: bool = False  # rows pack whole samples, positions restarting (data.format chat/instruction)
     quantization: Optional[QuantizationSection] = None  # model.quantization: a 4-bit base (memtrain.model.quantize)
     grad_accum: int = 1  # train.grad_accum_steps (the JSON's gradient_accumulation_steps): micro-steps per update
+    compiled: bool = False  # train.compile on: each decoder layer saves what its compiled forward keeps
 
     def trained(self, n: int) -> int:
         """Of `n` parameter elements (the whole model, or one TP rank's shards), those that train."""
@@ -92,9 +93,10 @@ def recompute_spec(recipe, ds_config: dict, device: Optional[str] = None, world_
 
 
 def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] = None,
-                spec: Optional[RecomputeSpec] = None) -> Target:
+                spec: Optional[RecomputeSpec] = None, compiled: Optional[bool] = None) -> Target:
     """The run to predict: `spec` (default: resolved for `device`) says whether checkpointed inputs are
-    partitioned across the tensor-parallel group."""
+    partitioned across the tensor-parallel group; `compiled` whether its decoder layers run compiled (default:
+    train.compile true; `auto` is resolved by the run, memtrain.train.compile_choice)."""
     device = device or (spec.device if spec else ("cuda" if torch.cuda.is_available() else "cpu"))
     spec = spec or recompute_spec(recipe, ds_config, device, world_size)
     sp = recipe.parallel.sequence
@@ -106,7 +108,8 @@ def make_target(recipe, ds_config: dict, world_size: int, device: Optional[str] 
                   tiled_mlp=recipe.activation_checkpointing.tiled_mlp, sequence_parallel=sp, tp=tp,
                   partition=spec.partition_activations, trainable_params=trainable, all_params=total,
                   lora=recipe.model.lora, packed=builds_packed_mask(recipe), quantization=recipe.model.quantization,
-                  grad_accum=recipe.train.grad_accum_steps)
+                  grad_accum=recipe.train.grad_accum_steps,
+                  compiled=recipe.train.compile is True if compiled is None else compiled)
 
 
 def builds_packed_mask(recipe) -> bool:

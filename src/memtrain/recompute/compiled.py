@@ -19,6 +19,10 @@ the segment's eager checkpoint.
 
 Shapes are static (`dynamic=False`): a run's batches have one shape, and a change would rather recompile, with
 a warning that names it (`CompileWatch`), than switch to slower dynamic kernels.
+
+The activation profile (memtrain.memory.profile) compiles the same callables with `partitioned_eager`: the layer split
+into forward and backward as inductor splits it, without code generation, so that fake tensors show what a compiled
+layer saves.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import hashlib
 import inspect
 import logging
 import types
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -87,7 +91,7 @@ class CompiledLayers:
     * `inner`: not compiled itself: the checkpoint a recomputed sublayer runs inside its compiled layer.
     """
 
-    def __init__(self, op_save: tuple[str, ...]) -> None:
+    def __init__(self, op_save: tuple[str, ...], backend: Union[str, Callable] = "inductor") -> None:
         _quiet_trace_warnings()
         # dynamo gives up compiling a code object after `recompile_limit` variants (8) and runs it eager from then
         # on. All layers share these functions: layer kinds x grad modes (DeepSpeed's checkpoint runs the forward
@@ -98,10 +102,37 @@ class CompiledLayers:
         def selective(function, *args):
             return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn)
 
-        self.forward = torch.compile(_forward, dynamic=False)
-        self.full = torch.compile(_recompute, dynamic=False)
-        self.op = torch.compile(_own_code(selective), dynamic=False)
+        # another backend (the profile's `partitioned_eager`) compiles code objects of its own: dynamo's cache of the
+        # run's inductor graphs is neither reused nor filled by it
+        own = (lambda fn: fn) if backend == "inductor" else _own_code
+        self.forward = torch.compile(own(_forward), backend=backend, dynamic=False)
+        self.full = torch.compile(own(_recompute), backend=backend, dynamic=False)
+        self.op = torch.compile(_own_code(selective), backend=backend, dynamic=False)
         self.inner = _recompute
+
+
+def partitioned_eager(gm: torch.fx.GraphModule, example_inputs):
+    """A torch.compile backend that splits a layer into forward and backward as inductor does, and runs both eagerly:
+    inductor's decompositions, its joint-graph passes and its min-cut partitioner (`compile_fx.partition_fn`), no
+    code generation. The forward graph's outputs beyond the layer's are what a compiled layer saves for its backward
+    (memtrain.memory.profile measures them on fake tensors)."""
+    from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415 torch._dynamo, inductor: seconds to import; only a compiled profile uses them
+    from torch._dynamo.backends.debugging import get_nop_func  # noqa: PLC0415 as above
+    from torch._inductor import compile_fx  # noqa: PLC0415 as above
+
+    # inductor's own partition step (joint-graph passes, then the min-cut partitioner); where a torch has none by that
+    # name, the partitioner as inductor calls it (torch's aot_eager_decomp_partition)
+    partition = getattr(compile_fx, "partition_fn", None) or functools.partial(
+        _min_cut_partition(), compiler="inductor")
+    return aot_autograd(fw_compiler=get_nop_func(), bw_compiler=get_nop_func(),
+                        decompositions=compile_fx.select_decomp_table(), partition_fn=partition)(gm, example_inputs)
+
+
+def _min_cut_partition() -> Callable:
+    """functorch's min-cut partitioner (imported only where a torch lacks inductor's own partition step)."""
+    from functorch.compile import min_cut_rematerialization_partition  # noqa: PLC0415 functorch: seconds to import; an older torch's fallback only
+
+    return min_cut_rematerialization_partition
 
 
 def _own_code(fn: Callable) -> Callable:
@@ -154,9 +185,14 @@ class CompileWatch:
     def __init__(self) -> None:
         self._seen = list(_metrics())  # held, not their ids: dynamo keeps the last 64, and an id may come back
         self._breaks = _graph_breaks()
+        self._seconds = compile_seconds()  # a compiled profile's (memtrain.memory.profile) are not the run's
         self.compiles = 0
         self.graph_breaks = 0
         self.late: list[str] = []  # one line per compile after the warm-up, with its reason
+
+    def seconds(self) -> float:
+        """Seconds spent compiling since the watch began (`compile_seconds`)."""
+        return compile_seconds() - self._seconds
 
     def step_done(self, step: int, warmed_up: bool) -> list[str]:
         """Compiles since the last call; after the warm-up, a warning line for each (returned)."""
@@ -187,16 +223,16 @@ def compile_seconds() -> float:
 
 def compile_line(watch: CompileWatch, measured: Optional[int] = None, planned: Optional[int] = None) -> str:
     """The compile line once the warm-up is over; with the activation bytes one forward saved (`measured`, the
-    run's ActivationMeter) and what the plan predicted for eager layers (`planned`), how far apart they are."""
+    run's ActivationMeter) and what the plan predicted for the compiled layers (`planned`), how far apart they are."""
     late = len(watch.late)
-    line = (f"compile: {watch.compiles} compile{'s' if watch.compiles != 1 else ''}, {compile_seconds():.1f} s "
+    line = (f"compile: {watch.compiles} compile{'s' if watch.compiles != 1 else ''}, {watch.seconds():.1f} s "
             f"(forward and backward); {late} recompile{'s' if late != 1 else ''} after the warm-up")
     if watch.graph_breaks:
         line += (f"; {watch.graph_breaks} graph break{'s' if watch.graph_breaks != 1 else ''} (parts of a layer run "
                  "eager: TORCH_LOGS=graph_breaks names them)")
     if measured is not None and planned:
         line += (f"; activations one forward saved, measured: {measured / 2**20:.2f} MiB, against the plan's "
-                 f"{planned / 2**20:.2f} MiB for eager layers ({(measured - planned) / planned:+.0%})")
+                 f"{planned / 2**20:.2f} MiB ({(measured - planned) / planned:+.0%})")
     return line
 
 

@@ -169,3 +169,16 @@ class StepTracker(TorchDispatchMode):
             live += delta
             out.append(live)
         return out
+
+
+class CompiledCodeTracker(StepTracker):
+    """StepTracker for compiled layers (train.compile's profile): torch.compile compiles under it (dynamo compiles
+    nothing under another dispatch mode), and it follows the compiled code's ops as they run, not the compiler's.
+    A compiled region's higher-order ops (the recompute's saved RNG state) pass through it: their results are
+    tracked, the ops inside them are not seen one by one."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True

@@ -144,8 +144,10 @@ def _report_head(recipe, config, profile, target, ds_config: dict, spec, rates, 
         # held-out eval (data.eval_paths): one no-grad forward per eval micro-batch
         "eval_peak": eval_peak(profile, states) if has_eval_data(recipe.data) else None,
         "compile": (None if recipe.train.compile is False else
-                    "train.compile: these are eager layers' figures; a compiled layer saves what its compiled backward "
-                    "reads (often less), and the run's compile line gives the measured difference"),
+                    "train.compile: compiled layers' figures (what each compiled forward saves, as inductor's "
+                    "partitioner splits the layer)" if target.compiled else
+                    "train.compile auto: eager layers' figures; the run decides, and predicts compiled layers where "
+                    "it compiles"),
     }
 
 

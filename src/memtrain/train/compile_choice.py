@@ -14,8 +14,10 @@ from memtrain.errors import UserError
 from memtrain.recompute.policy import ATTN, MLP, ACPlan
 
 GPU_CHECK_DIR = Path("reports/gpu")  # where `make gpu-check` writes <device>.json (from the directory it runs in)
-EAGER_PREDICTION = ("train.compile: predicted for eager layers; a compiled layer saves what its compiled backward "
-                    "reads (often less), and the run's compile line says how far apart they are")
+COMPILED_PREDICTION = ("train.compile: predicted for compiled layers: what each layer's compiled forward saves, as "
+                       "inductor's partitioner splits it (measured on fake tensors); the run's compile line measures it")
+EAGER_AUTO_PLAN = ("train.compile: policy auto chose its layers for eager layers (train.compile auto is decided after "
+                   "the plan); the peak is predicted for compiled ones")
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ def choose_compile(asked, plan: ACPlan, device: str, tp: int = 1, sequence: int 
     how = "recompute traced inside (torchtitan's order)" if plan.backend == "torch" else \
         "inside DeepSpeed's eager checkpoint"
     return CompileChoice(True, f"compile: each decoder layer's forward under torch.compile, {how}{why}; memory is "
-                               "planned for eager layers, and measured against the compiled ones after the warm-up")
+                               "predicted for compiled layers, and measured after the warm-up")
 
 
 def keeps_gathered_weights(version: Optional[str] = None) -> bool:

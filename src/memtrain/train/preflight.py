@@ -42,7 +42,7 @@ from memtrain.config.ds_config import AUTO, AUTO_KEYS, get, model_hidden_size, r
 from memtrain.config import ds_checks
 from memtrain.config.ds_validate import check_json, check_tensor_parallel, deepspeed_accepts, recipe_overrides
 from memtrain.train import rng
-from memtrain.train.compile_choice import EAGER_PREDICTION, CompileChoice, choose_compile
+from memtrain.train.compile_choice import COMPILED_PREDICTION, EAGER_AUTO_PLAN, CompileChoice, choose_compile
 from memtrain.train.qlora_checks import check_quantized_base
 from memtrain.model.quantize import packed_shapes
 from memtrain.errors import NodeError, UserError, cli_entry, is_rank_zero
@@ -311,12 +311,20 @@ def _resolved_json(args: RunArgs, config, plan: ACPlan, zero3: Zero3Layout) -> d
 
 
 def _prediction(args: RunArgs, world_size: int, plan: ACPlan, config, memory_plan, compiled: CompileChoice):
-    """The predicted peak of this plan (the auto plan's own, for policy auto), marked eager under train.compile."""
-    prediction = memory_plan.prediction if memory_plan is not None else predict_run(
-        args.recipe, args.ds_config, world_size, plan, config)
-    if compiled.on:  # never an eager prediction passed off as a compiled run's
-        prediction = replace(prediction, notes=prediction.notes + (EAGER_PREDICTION,))
-    return prediction
+    """(policy auto's PlanResult, the predicted peak of this plan): the auto plan's own, for policy auto; under
+    train.compile, for compiled layers. An auto plan made for eager layers (train.compile auto, decided after the plan)
+    is predicted again for compiled ones."""
+    planned_compiled = args.recipe.train.compile is True  # what make_target, and so the auto plan, predicted for
+    if memory_plan is not None and planned_compiled == compiled.on:
+        prediction = memory_plan.prediction
+    else:
+        prediction = predict_run(args.recipe, args.ds_config, world_size, plan, config, compiled=compiled.on)
+    if compiled.on:
+        notes = (COMPILED_PREDICTION,) + ((EAGER_AUTO_PLAN,) if memory_plan is not None and not planned_compiled else ())
+        prediction = replace(prediction, notes=prediction.notes + notes)
+    if memory_plan is not None:
+        memory_plan = replace(memory_plan, prediction=prediction)
+    return memory_plan, prediction
 
 
 def _setup_warnings(args: RunArgs, world_size: int, resolved: dict, spec: RecomputeSpec, plan: ACPlan,
@@ -364,7 +372,7 @@ def resolve_run(args: RunArgs, world_size: int) -> RunSetup:
     resolved = _resolved_json(args, config, plan, zero3)
     check_quantized_base(resolved, recipe, args.ds_config_path, compiled.on)  # QLoRA: what a 4-bit base cannot run with
     plan = with_expected_bytes(plan, config, recipe, resolved)
-    prediction = _prediction(args, world_size, plan, config, memory_plan, compiled)
+    memory_plan, prediction = _prediction(args, world_size, plan, config, memory_plan, compiled)
     gathered = final_bytes(model, args.ds_config, recipe.train)
     check_host_memory(prediction, world_size, final=gathered)
     warnings += model_warnings + _setup_warnings(args, world_size, resolved, spec, plan, memory_plan, trained)

@@ -32,7 +32,7 @@ from memtrain.model.lora import add_lora, trainable_patterns
 from memtrain.model.zero_init import build_model_zero3
 from memtrain.model.quantize import quantize_for_engine
 from memtrain.recompute import partition
-from memtrain.recompute.compiled import CompiledLayers, CompileWatch, compile_line, compile_seconds
+from memtrain.recompute.compiled import CompiledLayers, CompileWatch, compile_line
 from memtrain.recompute.hooks import apply_plan, checkpoint_calls, configure_deepspeed_ac
 from memtrain.recompute.meter import ActivationMeter
 from memtrain.recompute.policy import ACPlan
@@ -465,7 +465,7 @@ class Trainer:
         if self.memory_plan is not None:
             summary["memory_plan"] = self.memory_plan.to_dict()
         if self.compiles is not None:
-            summary["compile"] = {"compiles": self.compiles.compiles, "seconds": compile_seconds(),
+            summary["compile"] = {"compiles": self.compiles.compiles, "seconds": self.compiles.seconds(),
                                   "recompiles_after_warmup": self.compiles.late}
         if self.probe is not None:
             self.probe.__exit__(None, None, None)

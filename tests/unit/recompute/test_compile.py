@@ -1,7 +1,7 @@
 """train.compile on CPU in one process: compiled decoder layers (memtrain.recompute.compiled) against eager ones.
 
-Gradients for sqrt segments on both checkpoint backends and a recomputed MLP, op's save lists, a recompile after the
-warm-up as a warning naming its reason, the one-line refusals, and make plan's checkpoint backend. Other layer kinds
+Gradients for sqrt segments on both checkpoint backends and a recomputed MLP, op's save lists, the profile of compiled
+layers against what they save, a recompile after the warm-up as a warning naming its reason, the one-line refusals, and make plan's checkpoint backend. Other layer kinds
 (Gemma-3), bf16, dropout, `train.compile: auto` and what the plan says are in test_compile_kinds.py (a file each: the
 unit tier's two workers share the compiles). The same under ZeRO-3 on 2 ranks, with losses, fetches and recompile
 counts, is in tests/launch/test_zero3_hooks.py; a stopped and resumed compiled run is in tests/launch/test_resume.py.
@@ -19,9 +19,11 @@ from conftest import ROOT
 from memtrain.config.args import parse_args
 from memtrain.config.recipe import DEFAULT_OP_SAVE
 from memtrain.errors import UserError
+from memtrain.memory.profile import profile_activations
+from memtrain.memory.target import Target
 from memtrain.recompute.compiled import CompiledLayers, CompileWatch
 from memtrain.recompute.hooks import apply_plan
-from memtrain.recompute.policy import plan_for
+from memtrain.recompute.policy import FULL, KEEP, MLP, OP, plan_for
 from memtrain.train.compile_choice import choose_compile
 from memtrain.train.preflight import resolve_run
 from unit.recompute.compile_step import fresh_dynamo, profiled_step, token_ids  # noqa: F401  fixture
@@ -72,6 +74,22 @@ def test_compiled_selective_checkpoint_saves_what_eager_op_saves(base, op_save):
     # at most what eager op keeps (+5%); less where an output it must save is read by no backward (down_proj's)
     assert 0.8 * bytes_["op", False] <= bytes_["op", True] <= 1.05 * bytes_["op", False], bytes_
     assert bytes_["op", True] < 0.8 * bytes_["none", True], bytes_
+
+
+def test_the_profile_of_compiled_layers_is_what_compiled_layers_save(base):
+    """train.compile's prediction (memtrain.memory.profile on fake tensors, each layer split as inductor's partitioner
+    splits it, no code generation) against what real inductor-compiled layers save, counted by the activation meter on
+    real tensors: byte for byte on this torch, for each mode. Without recompute, less than eager layers save."""
+    profile = profile_activations(base.config, Target("cpu", "float32", 2, 32, 1, compiled=True),
+                                  (KEEP, OP, MLP, FULL), count_flops=False)
+    eager = profile_activations(base.config, Target("cpu", "float32", 2, 32, 1), (KEEP,), count_flops=False)
+    for policy, mode in (("none", KEEP), ("full", FULL), ("op", OP), ("selective:mlp", MLP)):
+        plan = plan_for(policy, 4, backend="torch")
+        model = copy.deepcopy(base)
+        apply_plan(model, plan, CompiledLayers(plan.op_save))  # the graphs the tests above compiled
+        measured = profiled_step(model, token_ids())[2]
+        assert profile.outside_saved + 4 * profile.layers[mode].saved == measured, policy
+    assert profile.layers[KEEP].saved < 0.9 * eager.layers[KEEP].saved
 
 
 def test_a_recompile_after_the_warm_up_is_a_warning_naming_its_reason(base):
