@@ -159,29 +159,7 @@ def _run(model, modes, target: Target, count_flops: bool = True, compiled: Optio
     tracker = (CompiledCodeTracker if target.compiled else StepTracker)(counter.get_total_flops,
                                                                         CUDA_BLOCK if target.device == "cuda" else 1)
     state = {"backward": False, "input_bytes": 0}
-    handles = []
-
-    # Marks: a layer's forward starts/ends with its module call; its backward starts when the
-    # gradient of its output is ready and ends when the gradient of its input is.
-    for k, layer in enumerate(layers):
-        def pre(module, args, kwargs, k=k):
-            if state["backward"]:  # a recompute, not the forward
-                return
-            tracker.mark(f"fwd_start{k}")
-            x = args[0] if args else kwargs["hidden_states"]
-            state["input_bytes"] = x.untyped_storage().nbytes()
-            if x.requires_grad:
-                x.register_hook(lambda g, k=k: tracker.mark(f"bwd_end{k}"))
-
-        def post(module, args, kwargs, out, k=k):
-            if state["backward"]:
-                return
-            tracker.mark(f"fwd_end{k}")
-            y = out[0] if isinstance(out, (tuple, list)) else out
-            y.register_hook(lambda g, k=k: tracker.mark(f"bwd_start{k}"))
-
-        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    handles = _mark_layers(layers, tracker, state)
 
     # A parameter's gradient lives from the op that makes it until autograd accumulates it into .grad; from
     # there on it is the model states' (ZeRO hands it to its reduce buckets): dropped at accumulation here.
@@ -207,6 +185,33 @@ def _run(model, modes, target: Target, count_flops: bool = True, compiled: Optio
         remove_plan(model)
     return {"curve": tracker.curve(), "marks": tracker.marks, "saved": meter.bytes,
             "input_bytes": state["input_bytes"], "largest_block": max((d for d, _ in tracker.events), default=0)}
+
+
+def _mark_layers(layers, tracker, state: dict) -> list:
+    """Marks: a layer's forward starts/ends with its module call; its backward starts when the gradient of its
+    output is ready and ends when the gradient of its input is. `state` says whether the backward runs (a forward
+    call then is a recompute, not marked) and keeps the last layer input's bytes. Returns the hooks' handles."""
+    handles = []
+    for k, layer in enumerate(layers):
+        def pre(module, args, kwargs, k=k):
+            if state["backward"]:  # a recompute, not the forward
+                return
+            tracker.mark(f"fwd_start{k}")
+            x = args[0] if args else kwargs["hidden_states"]
+            state["input_bytes"] = x.untyped_storage().nbytes()
+            if x.requires_grad:
+                x.register_hook(lambda g, k=k: tracker.mark(f"bwd_end{k}"))
+
+        def post(module, args, kwargs, out, k=k):
+            if state["backward"]:
+                return
+            tracker.mark(f"fwd_end{k}")
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            y.register_hook(lambda g, k=k: tracker.mark(f"bwd_start{k}"))
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    return handles
 
 
 def compiled_for_profile(op_save: tuple[str, ...]) -> CompiledLayers:

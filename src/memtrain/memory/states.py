@@ -167,7 +167,6 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     offload_opt = stage >= 1 and offloaded(zero.offload_optimizer)
     offload_param = stage == 3 and offloaded(zero.offload_param)
     mixed = c < 4
-    master = 4 if (stage >= 1 or mixed) else 0
 
     # a 4-bit base: its linear weights two a byte (partitioned with the rest under ZeRO-3), their quant states whole on
     # every rank (not parameters: DeepSpeed never sees them); the rest in the compute dtype
@@ -176,10 +175,9 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     # ZeRO-1 with overlap_comm reduces in the gradient hooks as ZeRO-2 does, freeing each .grad once
     # it is in a bucket: only this rank's partition stays (measured, DeepSpeed 0.19.8, 2 ranks)
     grads = c * t // (world if stage >= 2 or (stage == 1 and zero.overlap_comm) else 1)
-    optimizer = (master + 8) * t // (world if stage >= 1 else 1)
-    update = 4 * t // (world if stage >= 1 else 1) if mixed else 0
-    if stage == 3 and mixed:
-        update = zero3_update(profile, zero, c, t, world)
+    optimizer = ((4 if stage >= 1 or mixed else 0) + 8) * t // (world if stage >= 1 else 1)  # the master copy, Adam's
+    update = (zero3_update(profile, zero, c, t, world) if stage == 3 else 4 * t // (world if stage >= 1 else 1)) \
+        if mixed else 0
     buckets, persistent, gathered, release = zero3_buffers(profile, ds_config, zero, c, world, q) if stage == 3 \
         else (0, 0, 0, Release())
     persistent += c * profile.replicated if split else 0  # the replicated parameters also kept whole
