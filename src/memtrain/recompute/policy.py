@@ -1,4 +1,4 @@
-"""Recompute (activation checkpointing) policies: a policy string becomes an `ACPlan`, one mode per decoder layer."""
+"""Recompute plans: a `RecomputeSpec` and its parsed `Policy` become an `ACPlan`, one `LayerChoice` per decoder layer."""
 from __future__ import annotations
 
 import math

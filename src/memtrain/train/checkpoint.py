@@ -1,4 +1,4 @@
-"""Model checkpoints (save/resume) through DeepSpeed's engine, plus per-rank RNG state.
+"""Model checkpoints through DeepSpeed's engine: written crash-safe with per-rank RNG state, checked for damage, read back.
 
 Not to be confused with activation checkpointing (see `memtrain.recompute`).
 

@@ -1,4 +1,4 @@
-"""The benchmark's report: one markdown table, plus the issue's targets checked against it."""
+"""The benchmark's report: one markdown table, plus the recompute targets checked against it."""
 from __future__ import annotations
 
 from typing import Optional
