@@ -142,12 +142,11 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
             predicted = p["peak"] + p["host"] + p["host_activations"]
             if case.startswith("3") and "sp2" in case:
                 assert predicted == pytest.approx(m["peak"], rel=0.05), (rank, case, m["peak"], p)
-            elif case.startswith("3"):  # the 3%, met in three launches (+0.5% to +2.74%, 11:10-11:21 UTC); the
-                # reduction's bucket is counted whole (100,000 elements): DeepSpeed reduces what fits before a gradient
-                # would overflow it or the partition group changes (traced 12:44 UTC: 77,824 under AutoTP). The order of
-                # the gradients is not in the profile, and a launch moves a cell by up to 0.6%: 3.5% keeps that spread
-                # from failing CI
-                assert predicted == pytest.approx(m["peak"], rel=0.035), (rank, case, m["peak"], p)
+            elif case.startswith("3"):  # the 3%. Under AutoTP the reduction's bucket is what DeepSpeed reduces
+                # (states.zero3_bucket: 77,824 elements, traced 12:44 UTC; +1.8% to +2.6% with the whole bucket); the
+                # others count the whole bucket, but peak at the logits/loss phase or within 0.1% of it, which holds no
+                # reduction. +0.5% to +2.3% on 2026-11-27 (reports/readme/plan-grid-cpu.md)
+                assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
             elif case.startswith("0"):
                 assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
             else:
