@@ -133,17 +133,20 @@ def test_model_states_match_deepspeed_per_term(tmp_path):
         # cells were -2.4% to -4.0% under (their parameters resident: nothing gathered, the copies are the residue);
         # with the copies but every parameter held into the backward the other ZeRO-3 cells were +4% to +7% over.
         # With both: +0.5% to +2.3%, TP 2 included (2026-11-27 11:10 UTC).
-        # One run saw rank 1 of 3+opt+sp2+ga2 650 KB higher in its first micro-step (-4.0% then), and a fresh-clone CI
-        # (2026-11-27 08:40) rank 0 of 3+sp2 545 KB higher (-3.7%): not traced, so 5% in ZeRO-3's Ulysses cells.
+        # ZeRO-3 SP 2, rank 0 at -3.9% (traced 2026-11-27 12:44 UTC): its peak is the forward's start, where DeepSpeed
+        # has issued every prefetch bucket's all-gather (the whole model's flat buffers at once) and gloo still holds its
+        # own output of those in flight (CPU only; 1 to 3 of them, 442 to 541 KB each, as gloo's thread runs). Not a
+        # fixed term, so 5% in ZeRO-3's Ulysses cells (reports/readme/plan-grid-cpu.md).
         for case, r in result.items():
             m, p = r["measured"], r["predicted"]
             predicted = p["peak"] + p["host"] + p["host_activations"]
             if case.startswith("3") and "sp2" in case:
                 assert predicted == pytest.approx(m["peak"], rel=0.05), (rank, case, m["peak"], p)
-            elif case.startswith("3"):  # the issue's 3%, met in three launches (+0.5% to +2.74%, 11:10-11:21 UTC); the
-                # reduction's bucket is counted whole (400,000 B where 311,296 B was traced), and a launch moves a cell
-                # by up to 0.6%: 3.5% keeps that spread from failing CI
-                assert predicted == pytest.approx(m["peak"], rel=0.035), (rank, case, m["peak"], p)
+            elif case.startswith("3"):  # the issue's 3%. Under AutoTP the reduction's bucket is what DeepSpeed reduces
+                # (states.zero3_bucket: 77,824 elements, traced 12:44 UTC; +1.8% to +2.6% with the whole bucket); the
+                # others count the whole bucket, but peak at the logits/loss phase or within 0.1% of it, which holds no
+                # reduction. +0.5% to +2.3% on 2026-11-27 (reports/readme/plan-grid-cpu.md)
+                assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
             elif case.startswith("0"):
                 assert predicted == pytest.approx(m["peak"], rel=0.03), (rank, case, m["peak"], p)
             else:

@@ -69,6 +69,8 @@ class ActivationProfile:
     largest_block: int  # the largest single allocation of the step
     quantized_sizes: tuple[tuple[int, int], ...] = ()  # model.quantization: (elements, how many) of the 4-bit weights
     replicated: int = 0  # AutoTP (tp > 1): elements every TP rank holds whole (embeddings, norms): tensor_parallel
+    # one decoder layer's parameters in the layer's order: (elements, replicated under AutoTP); ZeRO-3's reduction
+    layer_params: tuple[tuple[int, bool], ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -312,7 +314,8 @@ def from_dict(d: dict, target: Target) -> ActivationProfile:
     """A profile from its `to_dict()` (JSON: lists for tuples), measured at `target`."""
     pairs = lambda v: tuple(tuple(p) for p in v)  # noqa: E731
     return ActivationProfile(**{**d, "target": target, "layers": {m: LayerCost(**c) for m, c in d["layers"].items()},
-                                "param_sizes": pairs(d["param_sizes"]), "quantized_sizes": pairs(d["quantized_sizes"])})
+                                "param_sizes": pairs(d["param_sizes"]), "quantized_sizes": pairs(d["quantized_sizes"]),
+                                "layer_params": pairs(d.get("layer_params", ()))})
 
 
 def forget_measured() -> None:
@@ -461,6 +464,7 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...], count_flops
         tail_excess=_peak(run, "bwd_end0", "end") - _live(run, "bwd_end0"),
         largest_block=max(r["largest_block"] for r in (*runs.values(), *deeper)),
         quantized_sizes=quantized,
+        layer_params=tuple((p.numel(), False) for p in layer.parameters()),
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memtrain.config.ds_config import get
 from memtrain.config.zero3 import resident
 from memtrain.memory.target import Target
 
@@ -183,7 +184,7 @@ def model_states(profile: "ActivationProfile", ds_config: dict, target: Target, 
     persistent += c * profile.replicated if split else 0  # the replicated parameters also kept whole
     reduce_buckets, reduce_scratch = reduce_buffers(profile, zero, c, world, offload_opt) if stage in (1, 2) else (0, 0)
     if stage == 3:
-        reduce_scratch = zero3_reduction(profile, zero, c, t, target)
+        reduce_scratch = zero3_reduction(profile, ds_config, zero, c, t, target)
     accumulated, accumulating, accumulated_host = accumulation(zero, stage, c, t, world, target.grad_accum, offload_opt)
     if accumulating:
         release = Release(late=accumulating, late_layers=accumulation_start(profile, zero))
@@ -279,22 +280,56 @@ def zero3_update(profile: "ActivationProfile", zero, c: int, trained: int, world
     return (c + 4) * min(partition, max(int(zero.sub_group_size), 1) + largest - 1)
 
 
-def zero3_reduction(profile: "ActivationProfile", zero, c: int, trained: int, target: Target) -> int:
+def zero3_reduction(profile: "ActivationProfile", ds_config: dict, zero, c: int, trained: int, target: Target) -> int:
     """ZeRO-3: what exists only while a gradient bucket is reduced (`ModelStates.reduction`, between ops).
 
     DeepSpeed 0.19.8 (stage3.py __reduce_and_partition_ipg_grads -> __avg_scatter_grads ->
     comm/coalesced_collectives.reduce_scatter_coalesced): the bucket's gradients, each padded to the ranks, are
     flattened into one tensor (torch.cat), on every device. A bucket is reduced before a gradient would take it over
     reduce_bucket_size elements (__add_grad_to_ipg_bucket), so it holds at most that, or one larger parameter: counted
-    so, an upper bound. gloo (CPU only) copies that flat tensor once more inside its reduce-scatter; NCCL reduces in
-    place, so on a GPU the copy is counted once (not measured on GPU). Traced on 2 gloo CPU ranks, AutoTP 2: both
+    so, an upper bound, or as `zero3_bucket` counts it where the order is known. gloo (CPU only) copies that flat
+    tensor once more inside its reduce-scatter; NCCL reduces in place, so on a GPU the copy is counted once (not
+    measured on GPU). Traced on 2 gloo CPU ranks, AutoTP 2: both
     copies (311,296 B each) alive at the peak, in the last layer's backward. ZeRO-3 reduces over every rank of its
     process group (AutoTP's one data-parallel rank included). A world of one is not measured: counted as none there
     (the one-GPU calibration in memory.predict was measured without the term)."""
     if target.world_size <= 1 or trained <= 0:
         return 0
-    flat = c * min(trained, max(int(zero.reduce_bucket_size), largest_param(profile)))
+    bucket = zero3_bucket(profile, ds_config, zero, target)
+    flat = c * min(trained, bucket or max(int(zero.reduce_bucket_size), largest_param(profile)))
     return flat * (2 if target.device == "cpu" else 1)
+
+
+def zero3_bucket(profile: "ActivationProfile", ds_config: dict, zero, target: Target) -> int:
+    """ZeRO-3 under AutoTP with leaf layers: elements of the largest gradient bucket DeepSpeed reduces at once; 0
+    where the order of the gradients is not known (the caller counts reduce_bucket_size).
+
+    DeepSpeed 0.19.8 (stage3.py): a leaf layer's gradients are reduced together in its full-backward hook
+    (create_reduce_and_remove_grad_hooks -> reduce_leaf_module_grads), in parameter order; a bucket is reduced before
+    a gradient would take it over reduce_bucket_size elements, or where the partition group changes
+    (reduce_independent_p_g_buckets_and_remove_grads). AutoTP's replicated parameters (the norms, the embedding) are
+    partitioned over the TP ranks, the shards over the data-parallel ones: so each layer's shards make their own
+    buckets, the LM head's shard its own, and the replicated ones theirs (at most all of them). Each gradient is
+    padded to the group's ranks (reduce_scatter_coalesced); the replicated ones' padding (under tp elements each) is
+    left out. Traced on 2 gloo CPU ranks, TP 2 (one data-parallel rank): 77,824 elements (q, k, v, o, gate, up), then
+    22,528 (down), per layer. Without AutoTP one group takes gradients across layers, in an order the profile does
+    not hold (autograd's without leaf layers): 0. Frozen weights: 0 (not traced). Not measured on GPU."""
+    layer = [numel for numel, replicated in profile.layer_params if not replicated]
+    leaf = get(ds_config, "zero_optimization.leaf_module") is not None
+    if target.tp <= 1 or not leaf or not layer or target.trained(profile.num_params) != profile.num_params:
+        return 0
+    size, ranks = int(zero.reduce_bucket_size), max(target.world_size // target.tp, 1)
+    padded = lambda numel: -(-numel // ranks) * ranks  # noqa: E731
+    buckets, elements, held = [], 0, 0
+    for numel in layer:
+        if elements and elements + numel > size:
+            buckets.append(held)
+            elements = held = 0
+        elements, held = elements + numel, held + padded(numel)
+    buckets.append(held)
+    most = max(size, largest_param(profile))  # a bucket of one larger gradient
+    head = profile.num_params - profile.replicated - profile.num_layers * sum(layer)  # the LM head's shard
+    return max(*buckets, padded(min(max(head, 0), most)), min(profile.replicated, most))
 
 
 def prefetch_buffer(profile: "ActivationProfile", zero, c: int, gatherable: int) -> int:

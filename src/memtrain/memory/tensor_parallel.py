@@ -56,7 +56,8 @@ def mark_replicated(profile, config, tp: int):
         return profile
     embedding = config.vocab_size * config.hidden_size
     norms = sum(count for numel, count in profile.param_sizes if numel == config.hidden_size)
-    return replace(profile, replicated=embedding + norms * config.hidden_size)
+    layer_params = tuple((numel, numel == config.hidden_size) for numel, _ in profile.layer_params)
+    return replace(profile, replicated=embedding + norms * config.hidden_size, layer_params=layer_params)
 
 
 def partition_inputs(profile, tp: int):

@@ -13,6 +13,7 @@
   ZeRO-1/2 reduce buckets vs the buffers a real DeepSpeed engine holds in its backward.
 """
 import contextlib
+from dataclasses import replace
 import itertools
 import json
 
@@ -446,6 +447,32 @@ def test_zero3_backward_releases_gathered_layers_and_counts_the_reduction(tiny):
         choices = (LayerChoice("keep"),)
         assert planner.feasible(heavy, need, choices, *small.backward_terms) is not None
         assert planner.feasible(heavy, need - 1, choices, *small.backward_terms) is None
+
+def test_zero3_reduction_under_autotp_counts_the_bucket_deepspeed_reduces(tiny):
+    """ZeRO-3 under AutoTP 2 with leaf layers: DeepSpeed reduces a leaf layer's gradients in parameter order, a bucket
+    closing before a gradient would overflow reduce_bucket_size or where the partition group changes (the replicated
+    norms are partitioned over the TP ranks). Counted by hand from the config's shard shapes: q, k, v, o and gate, up
+    fill 77,824 of 100,000 elements and down goes on its own, so the flatten copy is 311,296 B (the traced copy, 2 gloo
+    ranks), twice on CPU. Without leaf layers, or without AutoTP, the whole bucket is counted."""
+    _, config, _ = tiny
+    target = Target("cpu", "float32", 1, 32, 2, tp=2)
+    profile = profile_activations(config, target)
+    ds = load_ds_config(ZERO3)
+    ds["zero_optimization"].update(reduce_bucket_size=100_000, stage3_param_persistence_threshold=1000)
+    leaf = {**ds, "zero_optimization": {**ds["zero_optimization"], "leaf_module": {"classes": ["LlamaDecoderLayer"]}}}
+    hidden, head_dim = config.hidden_size, config.head_dim
+    attention = [hidden * head_dim * heads // 2 for heads in (config.num_attention_heads, config.num_key_value_heads,
+                                                              config.num_key_value_heads, config.num_attention_heads)]
+    mlp = [hidden * config.intermediate_size // 2] * 3
+    assert sum(attention) + sum(mlp) > 100_000 >= sum(attention) + sum(mlp[:2])  # down overflows the bucket
+    bucket = sum(attention) + sum(mlp[:2])
+    assert 4 * bucket == 311_296
+    assert model_states(profile, leaf, target).reduce_scratch == 2 * 4 * bucket  # the flatten copy and gloo's
+    assert model_states(profile, leaf, replace(target, device="cuda")).reduce_scratch == 4 * bucket
+    assert model_states(profile, ds, target).reduce_scratch == 2 * 4 * 100_000  # no leaf layers: the order unknown
+    whole = Target("cpu", "float32", 1, 32, 2)
+    assert model_states(profile_activations(config, whole), leaf, whole).reduce_scratch == 2 * 4 * 100_000
+
 
 def test_zero12_accumulation_partition_comes_with_the_first_reduction(tiny):
     """ZeRO-1/2 with accumulation: the partition a later micro-step's backward makes (ModelStates.accumulating) comes
