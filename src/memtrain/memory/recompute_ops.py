@@ -76,3 +76,8 @@ def recompute_ops(config, target: Target, modes: tuple[str, ...]) -> dict[str, i
             profile_cache.write(name, kept)
         _COUNTED[name] = kept
     return _COUNTED[name]
+
+
+def forget_counted() -> None:
+    """Drop this process's counts (kept on disk ones stay): the next call counts or reads again."""
+    _COUNTED.clear()

@@ -8,7 +8,8 @@ from memtrain.config.ds_config import load_ds_config
 from memtrain.config.recipe import load_recipe
 from memtrain.memory.predict import LayerChoice
 from memtrain.memory.rates import Rates
-from memtrain.memory.recompute_ops import count_recompute_ops
+from memtrain.memory import profile_cache
+from memtrain.memory.recompute_ops import count_recompute_ops, forget_counted, recompute_ops
 from memtrain.memory.score import make_family
 from memtrain.memory.target import make_target, model_and_config
 from memtrain.model.build import build_config, build_model
@@ -18,6 +19,7 @@ from memtrain.train.zero3_probe import OpCounter
 
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"
 MODES = ("full", "op", "attn", "mlp")
+POLICY = {"full": "full", "op": "op", "attn": "selective:attn", "mlp": "selective:mlp"}
 
 
 def _real_step_ops(recipe, layers: int, policy: str) -> int:
@@ -41,7 +43,7 @@ def _tiny():
     return recipe, load_ds_config(DS)
 
 
-def test_recompute_ops_match_real_steps_and_price_the_recompute():
+def test_recompute_ops_match_real_steps_and_price_the_recompute(tmp_path):
     """Each mode's recompute ops on the fake 1-layer model equal those of real 3-layer steps, per layer (real tensors,
     the trainer's model builder, every layer under the mode, less the step without recompute). And a family's
     seconds of a choice are max(device seconds, ops x host_op_s): host-bound at a slow host, device-bound at host 0."""
@@ -50,8 +52,19 @@ def test_recompute_ops_match_real_steps_and_price_the_recompute():
     target = make_target(recipe, ds, 1)
     counted = count_recompute_ops(config, target, MODES)
     keep = _real_step_ops(recipe, 3, "none")
-    real = {m: (_real_step_ops(recipe, 3, m) - keep) / 3 for m in ("full", "op")}
-    assert {m: counted[m] for m in real} == real, (counted, real)
+    real = {m: (_real_step_ops(recipe, 3, POLICY[m]) - keep) / 3 for m in MODES}
+    assert counted == real, (counted, real)
+    profile_cache.keep_in(tmp_path)  # kept like a profile: written once, then read, not counted again
+    try:
+        forget_counted()
+        assert recompute_ops(config, target, MODES) == counted
+        (kept,) = tmp_path.glob("*.json")
+        kept.write_text(kept.read_text().replace(f'"op": {counted["op"]}', '"op": 7'))
+        forget_counted()
+        assert recompute_ops(config, target, MODES) == {**counted, "op": 7}
+    finally:
+        profile_cache.keep_in(None)
+        forget_counted()
     assert counted["op"] > counted["attn"] > counted["mlp"] > 0, counted
 
     fast, slow = Rates(1e12, 1e11, 1e10, "cuda"), Rates(1e12, 1e11, 1e10, "cuda", host_op_s=1e-3)
