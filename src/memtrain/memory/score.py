@@ -141,7 +141,10 @@ def ops_of(config, target: Target, choices: tuple[LayerChoice, ...], rates: Rate
     modes = tuple(dict.fromkeys(c.mode for c in choices))
     key = ("ops", target, modes)
     if key not in memo:
-        memo[key] = recompute_ops(config, target, modes)
+        held = memo.get(("config json", id(config)))  # the config's JSON (the key's costly part) once a search
+        if held is None or held[0] is not config:
+            held = memo[("config json", id(config))] = config, config.to_json_string()
+        memo[key] = recompute_ops(config, target, modes, held[1])
     return memo[key]
 
 
