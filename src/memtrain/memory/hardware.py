@@ -68,7 +68,8 @@ class OverheadSheet(_Strict):
     collective_s: NonNegativeFloat = 0.0  # one collective call, beyond the link's latency (ZeRO-3's fetch hooks too)
     step_s: NonNegativeFloat = 0.0  # one optimizer step, beyond its terms (engine and optimizer bookkeeping)
     # host seconds per aten op a recompute dispatches again (Python, dispatcher, the recompute's dispatch mode): a
-    # recompute costs max(its device seconds, its ops x this); 0: device seconds only
+    # recompute costs max(its device seconds, its ops x this); 0: device seconds only. layer_s counts a recompute's
+    # calls too: a sheet that sets both charges the recompute's dispatch twice
     host_op_s: NonNegativeFloat = 0.0
 
 
