@@ -67,6 +67,10 @@ class OverheadSheet(_Strict):
     layer_s: NonNegativeFloat = 0.0  # one decoder layer's forward and backward, per micro-step
     collective_s: NonNegativeFloat = 0.0  # one collective call, beyond the link's latency (ZeRO-3's fetch hooks too)
     step_s: NonNegativeFloat = 0.0  # one optimizer step, beyond its terms (engine and optimizer bookkeeping)
+    # host seconds per aten op a recompute dispatches again (Python, dispatcher, the recompute's dispatch mode): a
+    # recompute costs max(its device seconds, its ops x this); 0: device seconds only. layer_s counts a recompute's
+    # calls too: a sheet that sets both charges the recompute's dispatch twice
+    host_op_s: NonNegativeFloat = 0.0
 
 
 class HardwareSheet(_Strict):
@@ -105,6 +109,7 @@ class Hardware:
     overhead_layer_s: float = 0.0  # per decoder layer's forward and backward (OverheadSheet)
     overhead_collective_s: float = 0.0  # per collective call
     overhead_step_s: float = 0.0  # per optimizer step
+    host_op_s: float = 0.0  # per aten op a recompute dispatches again (OverheadSheet.host_op_s)
     device: str = "cuda"
 
     @property
@@ -178,4 +183,4 @@ def load_hardware(path: str | Path, calibration: Optional[str | Path] = None) ->
     return Hardware(sheet.name, sheet.gpus_per_node, g.memory, g.bf16_tflops * 1e12, g.hbm_gb_per_s * 1e9,
                     g.intra_node_gb_per_s * 1e9 * eff.intra_node_link, g.inter_node_gb_per_s * 1e9 * eff.inter_node_link,
                     g.host_gb_per_s * 1e9, n.host_ram, n.cores, n.host_mem_gb_per_s * 1e9, eff.compute, eff.hbm,
-                    eff.host_memory, origin, values, o.layer_s, o.collective_s, o.step_s, sheet.device)
+                    eff.host_memory, origin, values, o.layer_s, o.collective_s, o.step_s, o.host_op_s, sheet.device)

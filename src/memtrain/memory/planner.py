@@ -5,7 +5,8 @@ least predicted step time. Solved exactly by dynamic programming over layers.
 
 Step-time model (only the differences between plans matter; the step itself is the same work):
 * recompute of a layer = its measured extra backward FLOPs / the device's matmul rate
-  + the extra bytes its recompute writes / the device's copy rate (memory-bound ops);
+  + the extra bytes its recompute writes / the device's copy rate (memory-bound ops),
+  or, where longer, the aten ops it dispatches again x the host's seconds per op (`recompute_seconds`);
 * offload of a layer's checkpointed input = its bytes / host-link rate, each way, less what
   overlaps: the copy out overlaps the next layer's forward, the copy back the backward of the
   `PREFETCH_DEPTH` layers memtrain.recompute.offload prefetches ahead.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -56,10 +57,19 @@ def available_choices(profile: ActivationProfile, backend: str, offload: bool) -
     return tuple(choices)
 
 
-def choice_seconds(profile: ActivationProfile, rates: Rates, choice: LayerChoice) -> float:
-    """Predicted extra step time of one layer under `choice`, over keeping everything."""
+def recompute_seconds(device_s: float, ops: int, host_op_s: float) -> float:
+    """A layer's recompute: the longer of its device seconds and the host's seconds to dispatch its ops again
+    (kernels run asynchronously, so the device waits only for a slower host)."""
+    return max(device_s, ops * host_op_s)
+
+
+def choice_seconds(profile: ActivationProfile, rates: Rates, choice: LayerChoice,
+                   ops: Optional[Mapping[str, int]] = None) -> float:
+    """Predicted extra step time of one layer under `choice`, over keeping everything. `ops`: the aten ops each
+    mode's recompute dispatches again (memtrain.memory.recompute_ops), priced at `rates.host_op_s`."""
     c = profile.layers[choice.mode]
-    seconds = c.recompute_flops / rates.flops_per_s + c.recompute_written / rates.bytes_per_s
+    seconds = recompute_seconds(c.recompute_flops / rates.flops_per_s + c.recompute_written / rates.bytes_per_s,
+                                (ops or {}).get(choice.mode, 0), rates.host_op_s)
     if choice.offload:
         copy_s = c.input_bytes / rates.host_bytes_per_s
         fwd_s = c.fwd_flops / rates.flops_per_s

@@ -281,6 +281,9 @@ def _packing(packed: bool):
         masking_utils.find_packed_sequence_indices = original
 
 
+packing = _packing  # public: memtrain.memory.recompute_ops runs the same fake step
+
+
 def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]] = None,
                         count_flops: bool = True) -> ActivationProfile:
     """Measure one layer per AC mode, and the parts around the layers, on fake tensors (`_profiled`); or read

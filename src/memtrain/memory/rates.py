@@ -15,6 +15,7 @@ class Rates:
     bytes_per_s: float  # device memory copy (bytes written per second)
     host_bytes_per_s: float  # device <-> host copy; 0 where there is no separate device memory
     device: str
+    host_op_s: float = 0.0  # host seconds per aten op a recompute dispatches again (a hardware sheet's; not measured here)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,8 +1,9 @@
 """One configuration of the whole-configuration search, scored: peak GPU memory, host memory per node, step time.
 
 Its peak comes from the memory model `make plan` and the trainer use (`memtrain.memory.predict` on the
-configuration's own target and model states); its collectives from `memtrain.memory.comm_volume`; its
-step time from `memtrain.memory.step_time`, at the hardware sheet's rates.
+configuration's own target and model states); its collectives from `memtrain.memory.comm_volume`; the ops its
+recompute dispatches again from `memtrain.memory.recompute_ops`; its step time from `memtrain.memory.step_time`, at
+the hardware sheet's rates.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from memtrain.memory.planner import available_choices, choice_seconds, may_offlo
 from memtrain.memory.predict import LayerChoice, Prediction, predict
 from memtrain.memory.profile import ActivationProfile, profile_activations
 from memtrain.memory.rates import Rates
+from memtrain.memory.recompute_ops import recompute_ops
 from memtrain.memory.states import ModelStates, keeps_gathered, persistent_elements, zero_config
 from memtrain.memory.step_time import StepTime, optimizer_seconds, step_time
 from memtrain.memory.target import Target, make_target, resolve_spec
@@ -76,6 +78,9 @@ class Family:
     target: Target
     profile: ActivationProfile
     choices: tuple[LayerChoice, ...]
+    # aten ops each mode's recompute dispatches again (memtrain.memory.recompute_ops): counted where the sheet prices
+    # them (host_op_s > 0), else empty
+    ops: dict = field(default_factory=dict, compare=False)
     # what its configurations share, computed once: profiles by micro-batch, a ZeRO variant's collective facts
     cache: dict = field(init=False, default_factory=dict, compare=False, repr=False)
 
@@ -92,7 +97,7 @@ class Family:
         key = ("seconds", micro_batch, rates)
         if key not in self.cache:
             profile = self.profile_at(micro_batch)
-            self.cache[key] = {c: choice_seconds(profile, rates, c) for c in self.choices}
+            self.cache[key] = {c: choice_seconds(profile, rates, c, self.ops) for c in self.choices}
         return self.cache[key]
 
     def predict(self, micro_batch: int, states: ModelStates, plan: tuple[LayerChoice, ...]) -> Prediction:
@@ -108,7 +113,7 @@ class Family:
 
 def sheet_rates(hw: Hardware) -> Rates:
     """The per-layer solver's rates from the sheet (not this machine's)."""
-    return Rates(hw.flops_per_s, hw.hbm_bytes_per_s * hw.hbm_efficiency, hw.host_bytes_per_s, "cuda")
+    return Rates(hw.flops_per_s, hw.hbm_bytes_per_s * hw.hbm_efficiency, hw.host_bytes_per_s, "cuda", hw.host_op_s)
 
 
 def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, activation_offload: bool,
@@ -125,7 +130,22 @@ def make_family(recipe, base_ds: dict, config, world: int, tp: int, sp: int, act
     choices = available_choices(profile, spec.backend, may_offload(spec, target, rates))
     if activation_offload and not any(c.offload for c in choices):
         return None
-    return Family(tp, sp, activation_offload, ds, r, target, profile, choices)
+    return Family(tp, sp, activation_offload, ds, r, target, profile, choices, ops_of(config, target, choices, rates, memo))
+
+
+def ops_of(config, target: Target, choices: tuple[LayerChoice, ...], rates: Rates, memo: dict) -> dict:
+    """The aten ops each choice's mode recomputes (`recompute_ops`), once per target in the search's memo; none
+    counted where the rates do not price them."""
+    if not rates.host_op_s:
+        return {}
+    modes = tuple(dict.fromkeys(c.mode for c in choices))
+    key = ("ops", target, modes)
+    if key not in memo:
+        held = memo.get(("config json", id(config)))  # the config's JSON (the key's costly part) once a search
+        if held is None or held[0] is not config:
+            held = memo[("config json", id(config))] = config, config.to_json_string()
+        memo[key] = recompute_ops(config, target, modes, held[1])
+    return memo[key]
 
 
 def profile_of(config, target: Target, memo: dict) -> ActivationProfile:
@@ -205,7 +225,7 @@ def _seconds_of(fam: Family, profile: ActivationProfile, rates: Rates):
     mb = profile.target.micro_batch_size
     if fam.profile_at(mb) is profile:
         return fam.seconds_at(mb, rates).__getitem__
-    return lambda c: choice_seconds(profile, rates, c)
+    return lambda c: choice_seconds(profile, rates, c, fam.ops)
 
 
 def score(s: Setting, fam: Family, config, ds: dict, states: ModelStates, stage: int, offload_opt: bool,

@@ -6,7 +6,8 @@
 
 * compute: the model's FLOPs on this rank / (dense peak x compute efficiency; the sheet's, or calibrated);
 * recompute and activation offload: `memtrain.memory.planner.choice_seconds` of each layer's choice
-  at the sheet's rates (the same seconds the per-layer solver minimises);
+  at the sheet's rates (the same seconds the per-layer solver minimises): a recompute costs the longer of its
+  device seconds and its aten ops dispatched again x the sheet's `overhead.host_op_s`;
 * a collective: the bytes a rank sends (`memtrain.memory.comm_volume`, ring algorithms) / the link's
   rate (inside a node or across nodes, by where its group's ranks sit) + a latency per call; the bytes sent
   inside the node are kept (`StepTime.intra_bytes`): `plan --verify` fits the intra-node rate to them on a CPU;

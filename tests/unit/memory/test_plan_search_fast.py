@@ -62,7 +62,7 @@ def _one_by_one(recipe, ds: dict, hw, nodes: int, tokens: int, budget: int, host
                 keep = (LayerChoice("keep"),) * profile.num_layers
                 plan = keep if predict(profile, states, keep).peak <= budget else solve(
                     profile, activation_limit(profile, states, fam.choices, budget), fam.choices,
-                    {c: choice_seconds(profile, rates, c) for c in fam.choices}, backward_extra=states.backward,
+                    {c: choice_seconds(profile, rates, c, fam.ops) for c in fam.choices}, backward_extra=states.backward,
                     reduction=states.reduction, release=states.release)
                 if plan is None:
                     dropped["GPU memory exceeded (no per-layer plan fits)"] += 1
