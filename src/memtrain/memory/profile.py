@@ -261,7 +261,7 @@ def _fake_device(target: Target) -> str:
 
 
 @contextmanager
-def _packing(packed: bool):
+def packing(packed: bool):
     """Decide transformers' one data-dependent mask question as the real step does.
 
     Text rows have positions 0..S-1 in every row, so transformers finds no packed sequences and lets SDPA apply
@@ -281,7 +281,6 @@ def _packing(packed: bool):
         masking_utils.find_packed_sequence_indices = original
 
 
-packing = _packing  # public: memtrain.memory.recompute_ops runs the same fake step
 
 
 def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]] = None,
@@ -359,7 +358,7 @@ def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool 
     mkey = (config.to_json_string(), measured_part(target), _loss_code(target), count_flops)
     for mode in extra:
         if (*mkey, mode) not in _MODE_COSTS:
-            with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
+            with FakeTensorMode(allow_non_fake_inputs=True), packing(target.packed), plain():
                 run = _run(fake_model(config, 1, target), (mode,), target, count_flops)
             _MODE_COSTS[(*mkey, mode)] = (_layer_cost(run, profile.outside_saved, profile.layers[KEEP]),
                                           run["largest_block"])
@@ -431,7 +430,7 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...], count_flops
     """See `_profiled`. A compiled target (`train.compile`) runs each layer as torch.compile partitions it (forward and
     backward graphs as inductor splits them, run eagerly: memtrain.recompute.compiled.partitioned_eager)."""
     runs: dict[str, dict] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), _packing(target.packed), plain():
+    with FakeTensorMode(allow_non_fake_inputs=True), packing(target.packed), plain():
         model = fake_model(config, 1, target)
         compiled = compiled_for_profile(mode_plan(model, (KEEP,)).op_save) if target.compiled else None
         num_params, largest, param_sizes = _param_shapes(model, config.num_hidden_layers)
