@@ -119,13 +119,19 @@ def partitioned_eager(gm: torch.fx.GraphModule, example_inputs):
     from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415 torch._dynamo, inductor: seconds to import; only a compiled profile uses them
     from torch._dynamo.backends.debugging import get_nop_func  # noqa: PLC0415 as above
     from torch._inductor import compile_fx  # noqa: PLC0415 as above
+    from torch._inductor.virtualized import V  # noqa: PLC0415 as above
 
     # inductor's own partition step (joint-graph passes, then the min-cut partitioner); where a torch has none by that
     # name, the partitioner as inductor calls it (torch's aot_eager_decomp_partition)
     partition = getattr(compile_fx, "partition_fn", None) or functools.partial(
         _min_cut_partition(), compiler="inductor")
-    return aot_autograd(fw_compiler=get_nop_func(), bw_compiler=get_nop_func(),
-                        decompositions=compile_fx.select_decomp_table(), partition_fn=partition)(gm, example_inputs)
+    # inductor runs its partition step under the inputs' fake mode (compile_fx sets V's): its joint-graph passes read it
+    # (a layer that draws random numbers, dropout, has its seeds fused there)
+    fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode(
+        allow_non_fake_inputs=True)
+    with V.set_fake_mode(fake_mode):
+        return aot_autograd(fw_compiler=get_nop_func(), bw_compiler=get_nop_func(),
+                            decompositions=compile_fx.select_decomp_table(), partition_fn=partition)(gm, example_inputs)
 
 
 def _min_cut_partition() -> Callable:

@@ -92,6 +92,18 @@ def test_the_profile_of_compiled_layers_is_what_compiled_layers_save(base):
     assert profile.layers[KEEP].saved < 0.9 * eager.layers[KEEP].saved
 
 
+def test_the_profile_of_compiled_layers_with_dropout(base):
+    """A layer that draws random numbers (attention dropout): inductor's joint-graph passes fuse its seeds under the
+    partition's fake mode. The compiled profile runs them as inductor does (a run with dropout and train.compile
+    stopped at start-up without it), and keeps no more than the same layer without dropout plus its masks."""
+    config = copy.deepcopy(base.config)
+    config.attention_dropout = 0.2
+    target = Target("cpu", "float32", 2, 32, 1, compiled=True)
+    dropped = profile_activations(config, target, (KEEP,), count_flops=False)
+    plain = profile_activations(base.config, target, (KEEP,), count_flops=False)
+    assert plain.layers[KEEP].saved <= dropped.layers[KEEP].saved < 2 * plain.layers[KEEP].saved
+
+
 def test_a_recompile_after_the_warm_up_is_a_warning_naming_its_reason(base):
     plan = plan_for("full", 4, backend="torch")
     model = copy.deepcopy(base)
