@@ -159,7 +159,7 @@ def test_a_memory_only_request_after_a_counted_measurement_measures_nothing(monk
 
     config = build_config(ModelSection(type="llama", config=SMALL_LLAMA), vocab_size=257, seq_len=32)
     target = Target("cpu", "float32", 2, 32, 2)
-    modes = ("keep", "full", modules_mode(["mlp"]))
+    modes = ("keep", modules_mode(["mlp"]))
     forget_measured()
     fresh = profile_activations(config, target, modes, count_flops=False)
     forget_measured()
