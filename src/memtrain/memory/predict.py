@@ -318,7 +318,7 @@ def predict_plan(config, target: Target, ds_config: dict, plan: ACPlan) -> Predi
         model1 = fake_model(config, 1, target)
         choices, notes = plan_choices(plan, model1, config.num_hidden_layers)
     extra = tuple(dict.fromkeys(c.mode for c in choices if c.mode.startswith(MODULES)))
-    profile = profile_activations(config, target, (*supported_modes(), *extra))
+    profile = profile_activations(config, target, (*supported_modes(), *extra), count_flops=False)  # reads no FLOPs
     states = model_states(profile, ds_config, target)
     if plan.partition_activations and target.tp <= 1:
         notes.append("partition_activations not modelled (it shards nothing without model parallelism)")

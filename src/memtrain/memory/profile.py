@@ -288,7 +288,7 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
     """Measure one layer per AC mode, and the parts around the layers, on fake tensors (`_profiled`); or read
     the same measurement where it was kept (memtrain.memory.profile_cache: a run's preflight measured it).
     `count_flops=False`: memory only, every FLOP field 0 (torch's FLOP counter is about 40% of a measurement's time;
-    `--max-seq` reads no FLOPs)."""
+    `--max-seq` and predictions read no FLOPs); handed out from this process's counted measurement where there is one."""
     modes = tuple(modes or supported_modes())
     if profile_cache.kept_in() is None:
         return _profiled(config, target, modes, count_flops)
@@ -341,6 +341,8 @@ def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool 
     modes = tuple(m for m in modes if m not in extra)
     full_config, config = config, tensor_parallel.local_config(config, target.tp)  # one TP rank's shards
     key = (config.to_json_string(), measured_part(target), _loss_code(target), modes, count_flops)
+    if key not in _PROFILES and not count_flops and (*key[:-1], True) in _PROFILES:
+        _PROFILES[key] = _without_flops(_PROFILES[(*key[:-1], True)])  # the counted run measured the same bytes
     if key not in _PROFILES:
         measured = _measure_profile(config, target, modes, count_flops)
         if target.compiled and count_flops:
@@ -357,6 +359,9 @@ def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool 
     layers = dict(profile.layers)
     mkey = (config.to_json_string(), measured_part(target), _loss_code(target), count_flops)
     for mode in extra:
+        counted = (*mkey[:-1], True, mode)
+        if (*mkey, mode) not in _MODE_COSTS and not count_flops and counted in _MODE_COSTS:
+            _MODE_COSTS[(*mkey, mode)] = (_no_flops(_MODE_COSTS[counted][0]), _MODE_COSTS[counted][1])
         if (*mkey, mode) not in _MODE_COSTS:
             with FakeTensorMode(allow_non_fake_inputs=True), packing(target.packed), plain():
                 run = _run(fake_model(config, 1, target), (mode,), target, count_flops)
@@ -365,6 +370,16 @@ def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool 
         layers[mode] = _MODE_COSTS[(*mkey, mode)][0]
     largest = max([profile.largest_block] + [_MODE_COSTS[(*mkey, m)][1] for m in extra])
     return replace(profile, layers=layers, largest_block=largest)
+
+
+def _no_flops(cost: LayerCost) -> LayerCost:
+    """A layer's cost as a memory-only measurement gives it: every FLOP field 0."""
+    return replace(cost, fwd_flops=0, bwd_flops=0, recompute_flops=0.0)
+
+
+def _without_flops(profile: ActivationProfile) -> ActivationProfile:
+    """A FLOP-counted profile as a memory-only measurement of it gives it (the counter changes no byte)."""
+    return replace(profile, layers={m: _no_flops(c) for m, c in profile.layers.items()})
 
 
 def measured_part(target: Target) -> Target:

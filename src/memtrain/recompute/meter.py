@@ -124,6 +124,7 @@ class StepTracker(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []  # (+bytes at allocation | -bytes at free, storage serial)
         self.marks: dict[str, tuple[int, float, int]] = {}  # name -> (event index, FLOPs, bytes written)
         self._live: dict[int, tuple[int, int, int]] = {}  # storage key -> (weak C++ ref, bytes, serial)
+        self._refs: dict[int, int] = {}  # storage key -> weak C++ ref: the same storages, for the sweep's quick pass
         self.written = 0  # bytes written into fresh storage: the memory-traffic proxy of the step
 
     def mark(self, name: str) -> None:
@@ -143,8 +144,11 @@ class StepTracker(TorchDispatchMode):
 
     def sweep(self) -> None:
         expired = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls, without the wrapper
-        dead = [key for key, (ref, _, _) in self._live.items() if expired(ref)]
+        if not any(map(expired, self._refs.values())):  # most ops free nothing: one pass without a Python loop
+            return
+        dead = [key for key, ref in self._refs.items() if expired(ref)]
         for key in dead:
+            del self._refs[key]
             _, nbytes, serial = self._live.pop(key)
             self.events.append((-nbytes, serial))
 
@@ -159,6 +163,7 @@ class StepTracker(TorchDispatchMode):
         nbytes = math.ceil(storage.nbytes() / self.block) * self.block
         serial = len(self.events)
         self._live[key] = (storage._weak_ref(), nbytes, serial)
+        self._refs[key] = self._live[key][0]
         self.written += nbytes
         self.events.append((nbytes, serial))
 

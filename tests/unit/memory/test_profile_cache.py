@@ -138,7 +138,7 @@ def test_a_memory_only_profile_gives_the_same_max_seq_figures():
     policies = [LayerChoice(KEEP), LayerChoice(FULL), LayerChoice(FULL, offload=True)]
     for loss, tiled, seq in (("standard", 0, 128), ("fused", "auto", 128), ("standard", "auto", 256)):
         target = replace(Target("cpu", "float32", 1, seq, 2), loss=loss, tiled_mlp=tiled)
-        full, cheap = (profile_activations(config, target, ("keep", "full"), count_flops=c) for c in (True, False))
+        cheap, full = (profile_activations(config, target, ("keep", "full"), count_flops=c) for c in (False, True))
         for mode, cost in full.layers.items():
             assert cost.fwd_flops > 0 and cost.bwd_flops > 0  # the full measurement counts FLOPs
             assert all(getattr(cheap.layers[mode], f) == 0 for f in FLOP_FIELDS)
@@ -148,3 +148,25 @@ def test_a_memory_only_profile_gives_the_same_max_seq_figures():
         for choice in policies:
             ours, theirs = (predict(p, states, (choice,) * p.num_layers) for p in (cheap, full))
             assert (ours.peak, ours.phase, ours.host_activations) == (theirs.peak, theirs.phase, theirs.host_activations)
+
+
+def test_a_memory_only_request_after_a_counted_measurement_measures_nothing(monkeypatch):
+    """A prediction (memory only) after `make plan`'s or the auto plan's FLOP-counted measurement of the same input,
+    measured layer modes and modules modes alike: handed the counted profile's bytes with every FLOP field 0, equal to
+    a fresh memory-only measurement, and nothing measured on fake tensors again."""
+    from memtrain.memory import profile
+    from memtrain.memory.profile import modules_mode
+
+    config = build_config(ModelSection(type="llama", config=SMALL_LLAMA), vocab_size=257, seq_len=32)
+    target = Target("cpu", "float32", 2, 32, 2)
+    modes = ("keep", modules_mode(["mlp"]))
+    forget_measured()
+    fresh = profile_activations(config, target, modes, count_flops=False)
+    forget_measured()
+    counted = profile_activations(config, target, modes)
+    assert all(counted.layers[m].fwd_flops > 0 for m in modes)
+    measured = []
+    real = profile._run
+    monkeypatch.setattr(profile, "_run", lambda *a, **k: measured.append(a) or real(*a, **k))
+    assert profile_activations(config, target, modes, count_flops=False) == fresh and not measured
+    forget_measured()
