@@ -262,7 +262,8 @@ def cpu_figures(data: dict, points: list[Point], hw: Hardware, what: str) -> dic
         return {}
     overhead, link = fitted
     data["source"] = f"memtrain plan --verify: overhead{' and intra-node link' if link else ''} fitted to {what}"
-    data["overhead"] = changed = {k: float(f"{v:.4g}") for k, v in overhead.items()}
+    changed = {k: float(f"{v:.4g}") for k, v in overhead.items()}
+    data.setdefault("overhead", {}).update(changed)  # figures the fit does not set (host_op_s) stay as they were
     if link:
         data.setdefault("gpu", {})["intra_node_gb_per_s"] = float(f"{link / 1e9:.4g}")
         data.setdefault("efficiency", {})["intra_node_link"] = 1.0  # the fitted rate is what a call reaches

@@ -75,7 +75,8 @@ def _figures(sheet, cal) -> np.ndarray:
 def test_pooling_two_rounds_fits_their_union(tmp_path):
     """Round 1, then round 2 into the same file: the figures are numpy's fit of both rounds' runs together (not
     round 2's alone), every point is kept, the fitted link rate is marked as the calibration's in the figures used,
-    and an old file without points still loads and is pooled from its first round on. Fewer points than rates:
+    and an old file without points still loads and is pooled from its first round on, keeping the figures the fit
+    does not set (overhead.host_op_s). Fewer points than rates:
     no fit (no traceback), the points kept."""
     from memtrain.memory.hardware import load_hardware
     from memtrain.tools.plan_verify import calibrate
@@ -85,10 +86,11 @@ def test_pooling_two_rounds_fits_their_union(tmp_path):
     cal = tmp_path / "cal.yaml"
     # a file from before pooling: overhead figures, no points
     cal.write_text(yaml.safe_dump({"source": "round E", "overhead": {"layer_s": 1e-3, "collective_s": 1e-3,
-                                                                     "step_s": 0.1}}))
+                                                                     "step_s": 0.1, "host_op_s": 2e-5}}))
     assert load_hardware(sheet, cal).overhead_step_s == 0.1
     assert calibrate(first, sheet, cal)
     assert _figures(sheet, cal) == pytest.approx(_union_fit(first), rel=2e-3)
+    assert load_hardware(sheet, cal).host_op_s == 2e-5  # a figure the fit does not set stays
     line = calibrate(second, sheet, cal)
     data = yaml.safe_load(cal.read_text())
     assert len(data["points"]) == len(first) + len(second) and f"{len(first) + len(second)} points" in line
