@@ -151,15 +151,14 @@ def _run(model, modes, target: Target, count_flops: bool = True, compiled: Optio
     """One forward+backward under a per-layer plan (mode tuple or ACPlan): the live-bytes curve with
     per-layer marks (and FLOPs, unless `count_flops` is false: then every FLOP figure is 0). A compiled target's
     layers run through `compiled` (default: compiled afresh, `compiled_for_profile`)."""
-    from memtrain.memory.flops import flop_counter  # noqa: PLC0415 flops registers its formulas at import (transformers, torch._dynamo: seconds)
+    import memtrain.memory.flops  # noqa: F401, PLC0415 registers memtrain's FLOP formulas at import (transformers, torch._dynamo: seconds)
 
     _, layers = decoder_layers(model)
     plan = mode_plan(model, modes)
     apply_plan(model, plan, (compiled or compiled_for_profile(plan.op_save)) if target.compiled else None)
-    # dynamo compiles nothing under torch's FLOP counter (CompiledCodeTracker lets it): a compiled run counts no FLOPs
-    counter = flop_counter() if count_flops and not target.compiled else _NoFlops()
-    tracker = (CompiledCodeTracker if target.compiled else StepTracker)(counter.get_total_flops,
-                                                                        CUDA_BLOCK if target.device == "cuda" else 1)
+    block = CUDA_BLOCK if target.device == "cuda" else 1
+    # a compiled run counts no FLOPs (its time terms are the eager layers': with_time_terms)
+    tracker = CompiledCodeTracker(block) if target.compiled else StepTracker(block, count_flops)
     state = {"backward": False, "input_bytes": 0}
     handles = _mark_layers(layers, tracker, state)
 
@@ -173,7 +172,7 @@ def _run(model, modes, target: Target, count_flops: bool = True, compiled: Optio
     ids = torch.randint(0, model.config.vocab_size, (target.micro_batch_size, target.seq_len), device=device)
     meter = ActivationMeter()
     try:
-        with counter, tracker:
+        with tracker:
             with meter.measure():
                 loss = model(input_ids=ids, labels=ids).loss
             state["backward"] = True
@@ -221,19 +220,6 @@ def compiled_for_profile(op_save: tuple[str, ...]) -> CompiledLayers:
     their own: one measurement's runs share its graphs, and dynamo's limit of recompiles per code object never makes
     a later measurement run eager."""
     return CompiledLayers(op_save, backend=partitioned_eager)
-
-
-class _NoFlops:
-    """Stands in for the FLOP counter where only memory is measured: counts nothing."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def get_total_flops(self) -> int:
-        return 0
 
 
 def fake_model(config, num_layers: int, target: Target):

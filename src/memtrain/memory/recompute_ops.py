@@ -15,27 +15,14 @@ from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrain.memory import profile_cache, tensor_parallel
 from memtrain.memory.profile import fake_model, measured_part, mode_plan, packing
 from memtrain.memory.target import Target
 from memtrain.model.attention import plain
 from memtrain.recompute.hooks import apply_plan, remove_plan
+from memtrain.recompute.meter import OpCounter
 from memtrain.recompute.policy import KEEP
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched under it, as gpu-check's probe counts them on real tensors
-    (memtrain.train.zero3_probe)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += func.namespace == "aten"  # not prim.device & co: fake tensors' metadata, not dispatched on real ones
-        return func(*args, **(kwargs or {}))
 
 
 _COUNTED: dict[str, dict[str, int]] = {}  # by key: counted or read once per process

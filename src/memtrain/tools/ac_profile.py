@@ -78,7 +78,7 @@ def measure_step(model: nn.Module, plan: ACPlan, input_ids: torch.Tensor, *, see
         with meter.measure(keep=True):
             loss = loss_fn(model, input_ids)
         # the backward's live set: what the forward saved, plus whatever each recompute makes
-        live = StepTracker(flops.get_total_flops)
+        live = StepTracker()
         for storage in meter.storages():
             live.adopt(storage)
         meter.release()

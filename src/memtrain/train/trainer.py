@@ -49,7 +49,8 @@ from memtrain.train.node import agent_ranks
 from memtrain.train.optimizer import engine_arguments, own_sections
 from memtrain.train.preflight import check_host_memory, resolve_run
 from memtrain.train.run_dir import RunDir
-from memtrain.train.zero3_probe import OpCounter, Zero3Probe, summarize
+from memtrain.recompute.meter import OpCounter
+from memtrain.train.zero3_probe import Zero3Probe, summarize
 from memtrain.units import GIB
 
 

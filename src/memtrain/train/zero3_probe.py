@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrain.recompute.hooks import observe_recompute
 
@@ -35,18 +34,6 @@ PHASES = ("forward", "recompute", "backward")
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops dispatched (the model's and every framework's: DeepSpeed's copies, hooks' views)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 class Zero3Probe:

@@ -15,7 +15,7 @@ from memtrain.memory.target import make_target, model_and_config
 from memtrain.model.build import build_config, build_model
 from memtrain.recompute.hooks import apply_plan
 from memtrain.recompute.policy import plan_for
-from memtrain.train.zero3_probe import OpCounter
+from memtrain.recompute.meter import OpCounter
 
 DS = ROOT / "ds_configs" / "zero3_ckpt.json"
 MODES = ("full", "op", "attn", "mlp")

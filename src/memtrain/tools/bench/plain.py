@@ -26,7 +26,7 @@ from memtrain.errors import ArgumentParser, cli_entry
 from memtrain.train.faults import is_oom
 from memtrain.units import GIB
 from memtrain.train.metrics import IntervalTimer
-from memtrain.train.zero3_probe import OpCounter
+from memtrain.recompute.meter import OpCounter
 from memtrain.model.build import build_config, build_model
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.bench.setups import Setup, parse_setup
