@@ -123,6 +123,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 class StepTracker(TorchDispatchMode):
     """Follows a step op by op: every storage an op creates and the moment it dies, and with `count_flops` their
     FLOPs.
@@ -154,6 +157,8 @@ class StepTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _DEVICE:  # a fake tensor's device, asked about as often as every other op together: no storage
+            return func(*args, **kwargs)
         inputs = {t.untyped_storage()._cdata for t in _tensors((*args, *kwargs.values()))}
         out = func(*args, **kwargs)
         formula = self.formulas.get(getattr(func, "_overloadpacket", None))
