@@ -76,3 +76,27 @@ def test_planned_activation_peak_matches_the_allocator(family):
         measured = allocator_peak(model, ids)
         remove_plan(model)
         assert predicted.activation_peak == pytest.approx(measured, rel=0.05), (policy, predicted.phase)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_what_the_head_leaves_alive_covers_a_recomputed_deeper_model(family):
+    """A profile's head_net (what the head leaves alive for the backward) against a 2-layer model recomputed in full,
+    measured here: equal for Gemma-2, whose two layer kinds make the deeper run the one that binds (its full mask
+    kept for the recompute), and not exceeded for Llama, whose profile does not run it (one layer kind)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memtrain.memory.profile import _live, _run, packing, profile_activations
+    from memtrain.model.attention import plain
+
+    recipe = load_recipe(None, [*overrides(family), "train.micro_batch_size=2", "data.seq_len=64"])
+    config = model_and_config(recipe)
+    target = Target("cpu", "float32", 2, 64, 1)
+    profile = profile_activations(config, target, ("keep", "full"))
+    with FakeTensorMode(allow_non_fake_inputs=True), packing(False), plain():
+        runs = [_run(fake_model(config, 1, target), (mode,), target, False) for mode in ("keep", "full")]
+        deeper = _run(fake_model(config, 2, target), ("full", "full"), target, False)
+    one_layer = max(_live(r, "bwd_start0") - _live(r, "fwd_end0") for r in runs)
+    recomputed = _live(deeper, "bwd_start1") - _live(deeper, "fwd_end1")
+    assert profile.head_net >= recomputed
+    if family == "gemma2":
+        assert profile.head_net == recomputed > one_layer
