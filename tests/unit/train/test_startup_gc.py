@@ -18,6 +18,8 @@ def test_imports_are_frozen_once_and_the_collector_is_back_on():
         assert frozen >= frozen_before + len(made)
         later = [[i] for i in range(1000)]  # a second run in the same process: nothing held, nothing frozen
         startup_gc.imports_done()
-        assert gc.get_freeze_count() == frozen and gc.isenabled() and later
+        # not more than before: a second freeze would add `later`'s 1,000; frozen objects that die since leave the count
+        # (one CI run saw 2 fewer)
+        assert gc.get_freeze_count() <= frozen and gc.isenabled() and later
     finally:
         gc.enable()
