@@ -9,13 +9,20 @@ reduces each gradient once and not once per slice.
 The MLP keeps its class's name, parameters and state-dict keys: only its class is swapped for a
 subclass whose `forward` tiles (so memtrain's recompute hooks, which call `type(module).forward`,
 recompute the tiled forward too).
+
+Two things memtrain adds to DeepSpeed's class: the tokens go in as one row (slices of a batch would not be
+contiguous), and the backward recomputes the slices from the random state the forward started from, as
+torch.utils.checkpoint does, so an MLP that ends in dropout (GPT-2's) is trained on the masks its forward applied.
 """
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Union
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 from memtrain.errors import UserError
 
@@ -30,16 +37,51 @@ def tiled_mlp_shards(setting: Union[int, str, None], seq_len: int, hidden: int) 
     return int(setting)
 
 
-def _tiled_class(cls: type, shards: int) -> type:
+@lru_cache(maxsize=1)
+def _tiled_mlp_function() -> type:
+    """DeepSpeed's TiledMLP whose backward recomputes every slice with the random state of its forward.
+
+    DeepSpeed's backward reruns the slices with whatever state the generator has then, so dropout inside the MLP
+    draws other masks than the forward applied: GPT-2's MLP gradients were 15% off a finite difference of its
+    loss (2026-11-27). The slices run in the same order and shapes in both passes, so the forward's starting
+    state replays its masks; the state outside is restored afterwards (torch.random.fork_rng)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # noqa: PLC0415 deepspeed: heavy, imported only when this runs
 
+    class SameMasksTiledMLP(TiledMLP):
+        @staticmethod
+        def forward(ctx, fn, module, x, shards, compute_params):
+            ctx.cpu_state = torch.get_rng_state()
+            ctx.devices, ctx.device_states = get_device_states(x)  # none for a CPU tensor
+            ctx.device_type = x.device.type
+            return TiledMLP.forward(ctx, fn, module, x, shards, compute_params)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            with torch.random.fork_rng(devices=ctx.devices, device_type=ctx.device_type):
+                torch.set_rng_state(ctx.cpu_state)
+                set_device_states(ctx.devices, ctx.device_states, device_type=ctx.device_type)
+                return TiledMLP.backward(ctx, *grads)
+
+    return SameMasksTiledMLP
+
+
+def _tiled_class(cls: type, shards: int) -> type:
+    tiled_mlp = _tiled_mlp_function()
+
     def plain(module, x):
-        return cls.forward(module, x)
+        # DeepSpeed's backward hands (tokens, hidden) slices; MoE blocks read (batch, seq, hidden)
+        return cls.forward(module, x[None])[0] if x.dim() == 2 else cls.forward(module, x)
 
     def forward(self, x):
         # One fixed slice count on every rank (it comes from the fixed sequence length), so ZeRO-3's
         # gathers inside the slices pair up without the tutorial's all-reduce (a host sync per layer).
-        return TiledMLP.apply(plain, self, x, shards, [p for p in self.parameters() if p.requires_grad])
+        # The tokens go in as one row: DeepSpeed slices dim -2, and slices of a (batch > 1, seq, hidden) input
+        # are not contiguous, which MLPs that flatten with .view refuse (GPT-2's Conv1D, Mixtral's and
+        # Qwen-MoE's experts). An MLP works per token, so one row of batch x seq tokens gives the same result
+        # in slices of the same size; the reshape is a view of the contiguous hidden states.
+        row = x.reshape(1, -1, x.shape[-1])
+        out = tiled_mlp.apply(plain, self, row, shards, [p for p in self.parameters() if p.requires_grad])
+        return out.view(x.shape)
 
     return type(cls.__name__, (cls,), {"forward": forward, "_memtrain_tiled_shards": shards,
                                        "__module__": cls.__module__})

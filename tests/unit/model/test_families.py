@@ -100,3 +100,30 @@ def test_what_the_head_leaves_alive_covers_a_recomputed_deeper_model(family):
     assert profile.head_net >= recomputed
     if family == "gemma2":
         assert profile.head_net == recomputed > one_layer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiled_mlps_give_the_gradients_of_plain_ones(family):
+    """`activation_checkpointing.tiled_mlp` on every family at micro-batch 2, fp32, the family's default dropout on:
+    the gradients of untiled MLPs (slices of a batch were not contiguous: GPT-2's Conv1D and the MoE experts
+    refused them; the backward recomputed GPT-2's MLP dropout with other masks). CPU dropout draws its masks in
+    element order, so the slices draw what the whole sequence draws. OPT's layers have no MLP module: one line."""
+    from memtrain.model.build import decoder_layers
+    from memtrain.model.tiled_mlp import install_tiled_mlp
+
+    section = ModelSection(type=family, config=FAMILIES[family])
+    torch.manual_seed(0)
+    model = build_model(section, build_config(section, vocab_size=257, seq_len=32)).train()
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))
+    plan = plan_for("none", 4, backend="torch")
+    reference = _grads(model, plan, ids)
+    if family == "opt":
+        with pytest.raises(UserError, match="OPTDecoderLayer.*has no `mlp` module to tile"):
+            install_tiled_mlp(decoder_layers(model)[1], 4)
+        return
+    assert install_tiled_mlp(decoder_layers(model)[1], 4) == 4
+    grads = _grads(model, plan, ids)
+    assert grads.keys() == reference.keys()
+    for name, g in grads.items():
+        scale = reference[name].abs().max().item() or 1.0
+        assert (g - reference[name]).abs().max().item() <= 1e-5 * scale, name
