@@ -337,8 +337,8 @@ def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool 
         _PROFILES[key] = _without_flops(_PROFILES[(*key[:-1], True)])  # the counted run measured the same bytes
     if key not in _PROFILES:
         measured = _measure_profile(config, target, modes, count_flops)
-        if target.compiled and count_flops:
-            measured = with_time_terms(measured, _measure_profile(config, replace(target, compiled=False), modes))
+        if target.compiled and count_flops:  # the eager layers' time terms: that profile, measured once
+            measured = with_time_terms(measured, _profiled(full_config, replace(target, compiled=False), modes))
         measured = tensor_parallel.shard_lm_head(measured, full_config, target.tp)
         measured = tensor_parallel.mark_replicated(measured, full_config, target.tp)
         measured = ulysses.add_buffers(measured, config)  # its all-to-all buffers (sp > 1)
