@@ -319,8 +319,8 @@ class ACSection(_Strict):
     """Who offloads when the JSON's cpu_checkpointing is on: memtrain (memtrain.recompute.offload, either
     backend) or DeepSpeed's own CPU_CHECKPOINT (for comparison; needs the deepspeed backend)."""
     tiled_mlp: Union[Literal["auto"], NonNegativeInt] = 0
-    """Run each decoder layer's MLP in N slices of the sequence (DeepSpeed's TiledMLP; the backward
-    recomputes a slice): auto = ceil(tokens per rank / hidden); 0 or 1: untiled (memtrain.model.tiled_mlp)."""
+    """Run each decoder layer's MLP in N slices of the micro-batch's tokens (DeepSpeed's TiledMLP; the backward
+    recomputes a slice): auto = ceil(sequence tokens per rank / hidden); 0 or 1: untiled (memtrain.model.tiled_mlp)."""
     memory_budget: Optional[PositiveFloat] = None
     """policy 'auto': GiB per device (or a size: 40GiB, 80GB; memtrain.units) the predicted peak must fit
     (memtrain.memory.planner picks, per layer,

@@ -1,5 +1,5 @@
 """`activation_checkpointing.tiled_mlp: N | auto`: each decoder layer's MLP runs through DeepSpeed's
-`TiledMLP`, N slices of the sequence at a time, so its (tokens x intermediate) activations exist for
+`TiledMLP`, N slices of its tokens at a time, so its (tokens x intermediate) activations exist for
 one slice only, in the forward and in the backward (which recomputes the slice).
 
 Built on `deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP` (ALST). Its `compute_params` are

@@ -38,7 +38,8 @@ def prepare(model, recipe, stage: int, tp: int = 1) -> LongContext:
     shards = tiled_mlp_shards(recipe.activation_checkpointing.tiled_mlp, seq // sp_size, model.config.hidden_size)
     _, layers = decoder_layers(model)
     if install_tiled_mlp(layers, shards):
-        lines.append(f"tiled MLP: {shards} slices of {seq // sp_size // shards}+ tokens in each of {len(layers)} layers")
+        tokens = recipe.train.micro_batch_size * seq // sp_size  # one rank's micro-batch, sliced as one row
+        lines.append(f"tiled MLP: {shards} slices of {tokens // shards}+ tokens in each of {len(layers)} layers")
     mpu, sp = sequence_parallel.setup(model, sp_size, stage, recipe.train.micro_batch_size, seq)
     if sp.size > 1:
         lines.append(f"sequence parallel: {sp.size} ranks per sequence ({seq // sp.size} tokens each), "

@@ -179,6 +179,32 @@ def test_tiled_mlp_same_gradients_lower_peak():
     assert tiled.state_dict().keys() == ref.state_dict().keys()
 
 
+def test_tiled_mlp_plan_line_counts_the_slices_tokens(tmp_path):
+    """The start-up line's slice size is what one slice holds: the micro-batch's tokens as one row (4 x 64 tokens in
+    2 slices: 128), counted at the MLP's forward."""
+    import torch.distributed as dist
+
+    from memtrain.config.recipe import load_recipe
+    from memtrain.train import long_context
+
+    recipe = load_recipe(None, ["train.micro_batch_size=4", "data.seq_len=64", "activation_checkpointing.tiled_mlp=2"])
+    model = _llama()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        lines = long_context.prepare(model, recipe, 3).lines
+    finally:
+        dist.destroy_process_group()
+    assert "tiled MLP: 2 slices of 128+ tokens in each of 2 layers" in lines, lines
+    seen = []
+    mlp = type(model.model.layers[0].mlp)
+    handle = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[:-1]))
+    ids = torch.randint(0, 300, (4, 64))
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+    handle.remove()
+    assert seen == [(1, 128), (1, 128)] and mlp.__name__ == "LlamaMLP", seen
+
+
 def test_tiled_mlp_auto_shards():
     assert tiled_mlp_shards("auto", 131072, 4096) == 32
     assert tiled_mlp_shards("auto", 1000, 4096) == 1
