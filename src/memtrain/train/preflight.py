@@ -44,6 +44,7 @@ from memtrain.config.ds_validate import check_json, check_tensor_parallel, deeps
 from memtrain.train import rng
 from memtrain.train.compile_choice import COMPILED_PREDICTION, EAGER_AUTO_PLAN, CompileChoice, choose_compile
 from memtrain.train.qlora_checks import check_quantized_base
+from memtrain.model import packed_attention
 from memtrain.model.quantize import packed_shapes
 from memtrain.errors import NodeError, UserError, cli_entry, is_rank_zero
 from memtrain.model.build import build_config, build_on_meta, decoder_layers
@@ -360,6 +361,8 @@ def resolve_run(args: RunArgs, world_size: int) -> RunSetup:
     with _naming_recipe(args):
         files, tokenizer = _data_inputs(recipe)
         config, model, model_warnings = _meta_model(recipe, tokenizer)
+        if files and recipe.data.format != "text":  # chat/instruction rows pack whole samples
+            packed_attention.check(config, recipe.data.format)
         trained = _trainable_line(model, recipe)
         spec, zero3 = resolve_spec(recipe, args.ds_config, world_size, run_device(), model)
         plan, memory_plan = _ac_plan(spec, args, world_size, config, model)

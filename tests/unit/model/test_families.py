@@ -127,3 +127,20 @@ def test_tiled_mlps_give_the_gradients_of_plain_ones(family):
     for name, g in grads.items():
         scale = reference[name].abs().max().item() or 1.0
         assert (g - reference[name]).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_packed_samples_are_kept_apart_by_every_family_but_opt_and_falcon():
+    """memtrain.model.packed_attention on each family's config: a packed sample's logits equal its own (within fp32
+    rounding) where transformers builds the causal mask from the position ids, and are far off for OPT and Falcon,
+    whose models call create_causal_mask without them (transformers 5.23: modeling_opt.py, modeling_falcon.py), so
+    chat and instruction rows are refused for those two before any worker starts."""
+    from memtrain.model.packed_attention import TOLERANCE, mixes_samples
+
+    for family, config in FAMILIES.items():
+        section = ModelSection(type=family, config=config)
+        apart = mixes_samples(build_config(section, vocab_size=257, seq_len=32))
+        assert apart is not None, family
+        if family in ("opt", "falcon"):
+            assert apart > 0.05, (family, apart)
+        else:
+            assert apart < TOLERANCE, (family, apart)

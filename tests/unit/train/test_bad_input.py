@@ -10,6 +10,7 @@ import deepspeed  # noqa: F401  imported before any capsys: its logger keeps the
 import pytest
 
 from conftest import ROOT
+from families import overrides
 from memtrain.train import preflight as validate
 from memtrain.config.args import parse_args
 
@@ -221,6 +222,9 @@ def _files(tmp_path):
           "data.paths=[{d}/chat-keys.jsonl]"),
      "embedded recipe 'tiny': data.messages_key: 'messages' is not a field of {d}/chat-keys.jsonl (line 1 has: "
      "conversations)"),
+    (_set("data.format=chat", f"data.tokenizer={ROOT / 'data' / 'chat' / 'tokenizer'}", *overrides("opt")),
+     "embedded recipe 'tiny': data.format: 'chat' packs whole samples into rows with positions restarting per sample, "
+     "and OPTForCausalLM (opt) does not keep them apart: its attention mask ignores the position ids"),
     # held-out evaluation
     (_set("train.eval_every=5"), "embedded recipe 'tiny': train.eval_every: set, but there is no held-out data to "
      "evaluate; name it with data.eval_paths"),
