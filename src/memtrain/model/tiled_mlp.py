@@ -10,9 +10,10 @@ The MLP keeps its class's name, parameters and state-dict keys: only its class i
 subclass whose `forward` tiles (so memtrain's recompute hooks, which call `type(module).forward`,
 recompute the tiled forward too).
 
-Two things memtrain adds to DeepSpeed's class: the tokens go in as one row (slices of a batch would not be
-contiguous), and the backward recomputes the slices from the random state the forward started from, as
-torch.utils.checkpoint does, so an MLP that ends in dropout (GPT-2's) is trained on the masks its forward applied.
+Three things memtrain adds to DeepSpeed's class: the tokens go in as one row (slices of a batch would not be
+contiguous); the backward recomputes the slices from the random state the forward started from, as
+torch.utils.checkpoint does, so an MLP that ends in dropout (GPT-2's) is trained on the masks its forward applied;
+and under train.compile the tiled MLP runs eager, outside the compiled graph, for the same reason.
 """
 from __future__ import annotations
 
@@ -83,6 +84,10 @@ def _tiled_class(cls: type, shards: int) -> type:
         out = tiled_mlp.apply(plain, self, row, shards, [p for p in self.parameters() if p.requires_grad])
         return out.view(x.shape)
 
+    # Outside torch.compile's graphs (train.compile: a graph break at the MLP, which runs eager): inductor draws its
+    # own random numbers, so a traced tiled backward recomputed GPT-2's MLP dropout with new masks (34% off a finite
+    # difference of the loss, 2026-11-27); eager, the backward above replays the forward's.
+    forward = torch.compiler.disable(forward, recursive=True)
     return type(cls.__name__, (cls,), {"forward": forward, "_memtrain_tiled_shards": shards,
                                        "__module__": cls.__module__})
 
