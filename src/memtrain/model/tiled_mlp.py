@@ -10,10 +10,11 @@ The MLP keeps its class's name, parameters and state-dict keys: only its class i
 subclass whose `forward` tiles (so memtrain's recompute hooks, which call `type(module).forward`,
 recompute the tiled forward too).
 
-Three things memtrain adds to DeepSpeed's class: the tokens go in as one row (slices of a batch would not be
-contiguous); the backward recomputes the slices from the random state the forward started from, as
-torch.utils.checkpoint does, so an MLP that ends in dropout (GPT-2's) is trained on the masks its forward applied;
-and under train.compile the tiled MLP runs eager, outside the compiled graph, for the same reason.
+What memtrain adds to DeepSpeed's class: the tokens go in as one row (slices of a batch would not be contiguous);
+the backward recomputes the slices from the random state the forward started from, as torch.utils.checkpoint does,
+so an MLP that ends in dropout (GPT-2's) is trained on the masks its forward applied; under train.compile the tiled
+MLP runs eager, outside the compiled graph, for the same reason; and the backward runs wherever the MLP's parameters
+train, also where its input needs no gradient (LoRA adapters of the first layer's MLP).
 """
 from __future__ import annotations
 
@@ -50,7 +51,11 @@ def _tiled_mlp_function() -> type:
 
     class SameMasksTiledMLP(TiledMLP):
         @staticmethod
-        def forward(ctx, fn, module, x, shards, compute_params):
+        def forward(ctx, fn, module, x, shards, compute_params, trains):
+            # `trains`: an empty tensor that needs a gradient where the MLP has parameters that train. Autograd does not
+            # see the parameters in DeepSpeed's list, so where the MLP's input needs no gradient (the first layer's
+            # under LoRA or frozen weights) the output needed none, the backward never ran and the MLP's adapters
+            # never trained. (The parameters themselves cannot be inputs: ZeRO-3's are empty until their module runs.)
             ctx.cpu_state = torch.get_rng_state()
             ctx.devices, ctx.device_states = get_device_states(x)  # none for a CPU tensor
             ctx.device_type = x.device.type
@@ -61,7 +66,9 @@ def _tiled_mlp_function() -> type:
             with torch.random.fork_rng(devices=ctx.devices, device_type=ctx.device_type):
                 torch.set_rng_state(ctx.cpu_state)
                 set_device_states(ctx.devices, ctx.device_states, device_type=ctx.device_type)
-                return TiledMLP.backward(ctx, *grads)
+                x_grad = TiledMLP.backward(ctx, *grads)[2]
+            # the parameters' gradients accumulated in the slices' own backward
+            return None, None, x_grad if ctx.needs_input_grad[2] else None, None, None, None
 
     return SameMasksTiledMLP
 
@@ -81,7 +88,9 @@ def _tiled_class(cls: type, shards: int) -> type:
         # Qwen-MoE's experts). An MLP works per token, so one row of batch x seq tokens gives the same result
         # in slices of the same size; the reshape is a view of the contiguous hidden states.
         row = x.reshape(1, -1, x.shape[-1])
-        out = tiled_mlp.apply(plain, self, row, shards, [p for p in self.parameters() if p.requires_grad])
+        params = [p for p in self.parameters() if p.requires_grad]
+        trains = row.new_empty(0).requires_grad_() if params else None
+        out = tiled_mlp.apply(plain, self, row, shards, params, trains)
         return out.view(x.shape)
 
     # Outside torch.compile's graphs (train.compile: a graph break at the MLP, which runs eager): inductor draws its

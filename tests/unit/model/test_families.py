@@ -144,3 +144,36 @@ def test_packed_samples_are_kept_apart_by_every_family_but_opt_and_falcon():
             assert apart > 0.05, (family, apart)
         else:
             assert apart < TOLERANCE, (family, apart)
+
+
+@pytest.mark.parametrize("family, targets", [("llama", ("gate_proj", "up_proj", "down_proj")),
+                                             ("gpt_neox", "all-linear"), ("falcon", "all-linear")])
+def test_tiled_mlps_train_every_layers_adapters(family, targets):
+    """LoRA (its dropout off) with tiled MLPs: every adapter gets the untiled model's gradient. The first layer's MLP
+    input needs no gradient where adapters sit on the MLPs alone (Llama here) or where a layer runs attention and MLP
+    side by side on its input (GPT-NeoX, Falcon); DeepSpeed's TiledMLP, which takes the parameters in a list autograd
+    does not see, then ran no backward, and those adapters never trained."""
+    from memtrain.config.recipe import LoraSection
+    from memtrain.model.build import decoder_layers
+    from memtrain.model.lora import add_lora
+    from memtrain.model.tiled_mlp import install_tiled_mlp
+
+    section = ModelSection(type=family, config=FAMILIES[family])
+    torch.manual_seed(0)
+    model = build_model(section, build_config(section, vocab_size=257, seq_len=32))
+    add_lora(model, LoraSection(target_modules=targets))
+    with torch.no_grad():  # B starts at zero: give the adapters an effect downstream
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.train()
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))
+    plan = plan_for("none", 4, backend="torch")
+    reference = _grads(model, plan, ids)
+    assert len(reference) == sum(p.requires_grad for p in model.parameters())
+    install_tiled_mlp(decoder_layers(model)[1], 4)
+    grads = _grads(model, plan, ids)
+    assert grads.keys() == reference.keys()
+    for name, g in grads.items():
+        scale = reference[name].abs().max().item() or 1.0
+        assert (g - reference[name]).abs().max().item() <= 1e-5 * scale, name
