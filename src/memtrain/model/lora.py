@@ -57,7 +57,11 @@ def add_lora(model: nn.Module, section: LoraSection, dtype=None, modules_to_save
                 default = torch.get_default_dtype()
                 torch.set_default_dtype(dtype)
                 stack.callback(torch.set_default_dtype, default)
-            return get_peft_model(model, lora_config(section, modules_to_save), autocast_adapter_dtype=dtype is None)
+            # the adapters in their base layer's dtype, never peft's fp32 upcast: DeepSpeed's bf16/fp16 optimizer keeps
+            # every trained weight's fp32 master, and a ZeRO-3 model (built in bf16) kept fp32 adapters, so each
+            # adapted linear layer cast its input to fp32 and kept it for the backward (H100, llama-1b, LoRA r 16 on
+            # every linear: 1.28 GiB over the planner's peak, and ZeRO-1/2, whose engine casts the whole model, differed)
+            return get_peft_model(model, lora_config(section, modules_to_save), autocast_adapter_dtype=False)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         names = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise UserError(f"model.lora.target_modules: {str(e).splitlines()[0]} (its linear layers: "

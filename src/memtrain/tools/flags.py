@@ -45,6 +45,8 @@ def _search_flags(p) -> None:
     p.add_argument("--calibration", metavar="YAML",
                    help="--search: measured figures over the sheet's (default: hardware/calibration/<sheet>.yaml)")
     p.add_argument("--nodes", type=int, help="--search: nodes")
+    p.add_argument("--gpus-per-node", type=int, metavar="G",
+                   help="--search: GPUs used on each node, up to the sheet's (default: the sheet's gpus_per_node)")
     p.add_argument("--global-batch-tokens", type=int, metavar="T", help="--search: tokens per optimizer step")
     p.add_argument("--calibrate-from", metavar="JSON",
                    help="write the --hardware sheet's calibration file from a gpu-check report (reports/gpu/*.json)")

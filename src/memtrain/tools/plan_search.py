@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -126,6 +127,10 @@ def run_search(args, recipe, ds_config: dict) -> tuple[SearchResult, Hardware, P
     if args.nodes < 1 or args.global_batch_tokens < 1:
         raise UserError("--nodes and --global-batch-tokens: must be positive")
     hw = load_hardware(args.hardware, args.calibration)
+    if args.gpus_per_node is not None:
+        if not 1 <= args.gpus_per_node <= hw.gpus_per_node:
+            raise UserError(f"--gpus-per-node: must be 1 to {hw.gpus_per_node} ({args.hardware}'s gpus_per_node)")
+        hw = replace(hw, gpus_per_node=args.gpus_per_node)  # the same GPUs and links, fewer of them a node
     world = args.nodes * hw.gpus_per_node
     sp_ok = sequence_sizes(model_and_config(recipe), world)
     budget = parse_size(args.budget, "--budget") if args.budget else None
@@ -139,7 +144,8 @@ def run_search(args, recipe, ds_config: dict) -> tuple[SearchResult, Hardware, P
         print(format_search(result, recipe, hw, args.nodes, args.top))
     if not result.scored:
         raise UserError("--search: no configuration fits; the dropped reasons above say why")
-    out = Path(args.out or f"plans/{recipe.name}-{hw.name}-{args.nodes}n")
+    gpus = f"x{hw.gpus_per_node}" if args.gpus_per_node is not None else ""
+    out = Path(args.out or f"plans/{recipe.name}-{hw.name}-{args.nodes}n{gpus}")
     ds_path, recipe_path = write_plan(result, recipe, result.scored[0], out)
     plot(result.scored, out / "pareto.png", f"{recipe.name} on {args.nodes} x {hw.name}, "
                                              f"{args.global_batch_tokens:,} tokens/step")

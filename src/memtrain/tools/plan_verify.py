@@ -106,7 +106,8 @@ def kendall_tau(xs: list[float], ys: list[float], tied_y=None) -> float:
 def write_points(result: SearchResult, recipe, picks: list[int], out: Path, steps: int,
                  repeats: int = 1) -> list[tuple[int, list[Path]]]:
     """Per pick: its JSON and recipe (as --search writes the winner's) and one one-point sweep file per repeat
-    running `steps` steps (each its own run directory); returns (index, sweep files)."""
+    running `steps` steps (each its own run directory) and saving no model checkpoint (a 1B model's run would
+    write ~18 GB of ZeRO states nobody reads); returns (index, sweep files)."""
     sweeps = []
     for n, i in enumerate(picks):
         # the configuration in the name: the sweep runner keeps a finished run of the same name and command, so a
@@ -117,7 +118,8 @@ def write_points(result: SearchResult, recipe, picks: list[int], out: Path, step
         paths = []
         for j in range(repeats):
             spec = {"name": f"{out.name}-verify-{name}-r{j + 1}", "recipe": str(recipe_path), "deepspeed": str(ds_path),
-                    "grid": {"train.max_steps": [steps]}, "launcher": {"gpus_per_run": result.world}}
+                    "grid": {"train.max_steps": [steps], "train.save_checkpoints": [False]},
+                    "launcher": {"gpus_per_run": result.world}}
             paths.append(where / f"sweep-r{j + 1}.yaml")
             paths[-1].write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
         sweeps.append((i, paths))

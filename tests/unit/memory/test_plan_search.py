@@ -362,6 +362,8 @@ def test_ulysses_buffers_in_the_sp_profile():
      "hardware/none.yaml: hardware sheet not found"),
     (["--search", "--hardware", str(H100), "--nodes", "0", "--global-batch-tokens", "4096"],
      "--nodes and --global-batch-tokens: must be positive"),
+    (["--search", "--hardware", str(H100), "--nodes", "1", "--gpus-per-node", "9", "--global-batch-tokens", "4096"],
+     f"--gpus-per-node: must be 1 to 8 ({H100}'s gpus_per_node)"),
 ])
 def test_search_flags_one_line(capsys, argv, expected):
     from memtrain.tools.plan import main
@@ -452,6 +454,7 @@ def test_verify_picks_writes_runnable_sweeps_and_kendall_tau(tmp_path, monkeypat
         assert result.scored[i].config.label().replace(" ", "-").replace(":", "-") in str(point.run_dir)
         args = train_args(sweep, point)
         assert sweep.spec.launcher.gpus_per_run == result.world and "train.max_steps=4" in args
+        assert "train.save_checkpoints=false" in args, args  # a benchmark: no model checkpoint written
         written = load_recipe(sweep.spec.recipe)
         c = result.scored[i].config
         assert (written.train.micro_batch_size, written.train.grad_accum_steps, written.parallel.sequence) == (
@@ -550,3 +553,18 @@ def test_verify_repeats_run_interleaved_and_rank_ties_within_noise(tmp_path):
     expected = plan_verify.kendall_tau(predicted, tied)
     assert "1 pairs within noise" in text and f"as measured ties: {expected:.2f}" in text
     assert "spread (max-min)/median" in text and "8.0%" in text
+
+
+def test_search_on_fewer_gpus_than_the_sheets_node(tmp_path, capsys):
+    """--gpus-per-node 1: one H100 of the 8-GPU sheet (a lent single GPU); the world is 1, so no configuration shards
+    across ranks, and the winner is written under a name that says so."""
+    from memtrain.tools.plan import main
+
+    out = tmp_path / "plan"
+    main(["--search", "--hardware", str(H100), "--nodes", "1", "--gpus-per-node", "1", "--global-batch-tokens",
+          str(64 * 2), "--set", "data.seq_len=64", "--json", "--out", str(out)])
+    report = json.loads(capsys.readouterr().out)
+    assert report["world"] == 1 and report["top"]
+    assert all(c["config"]["tp"] == c["config"]["sp"] == 1 for c in report["top"])
+    assert {c["config"]["micro_batch"] * c["config"]["grad_accum"] for c in report["top"]} == {2}
+    assert (out / "ds.json").is_file()

@@ -118,3 +118,32 @@ def test_a_trained_tied_lm_head_goes_into_the_adapter_with_the_embedding(tmp_pat
         adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
                                             tmp_path / "final" / "adapter")(input_ids=ids).logits
     assert (adapted - want).abs().max().item() < 1e-4
+
+
+def test_adapters_compute_in_the_base_weights_dtype_and_keep_no_fp32_copies():
+    """A model built in bf16 (as ZeRO-3 builds it) gets bf16 adapters, not peft's fp32 upcast: each adapted linear layer
+    would cast its input to fp32 and keep that copy for the backward (an H100 LoRA run peaked 1.28 GiB over the
+    planner's bf16 profile). Independent of memtrain's profile: autograd's saved-tensor hooks count the fp32 bytes one
+    forward keeps (the norms' and attention's own upcasts), and the adapters add none."""
+    section = ModelSection(type="llama", config=LLAMA)
+    model = build_model(section, build_config(section, vocab_size=257, seq_len=64)).to(torch.bfloat16)
+    ids = torch.randint(0, 257, (2, 64))
+
+    def fp32_kept() -> int:
+        kept = {}
+
+        def pack(t):
+            if t.dtype == torch.float32 and not isinstance(t, torch.nn.Parameter):
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(ids).last_hidden_state.float().sum()
+        return sum(kept.values())
+
+    model.model.embed_tokens.weight.requires_grad_(True)  # as the trainer makes the layers' input need a gradient
+    plain = fp32_kept()
+    add_lora(model, load_recipe(None, ["model.lora.r=4", "model.lora.target_modules=all-linear"]).model.lora)
+    model.model.embed_tokens.weight.requires_grad_(True)
+    adapters = {n: p.dtype for n, p in model.named_parameters() if ".lora_" in n}
+    assert len(adapters) == 2 * 7 * 2 and set(adapters.values()) == {torch.bfloat16}, adapters
+    assert plain > 0 and fp32_kept() == plain
