@@ -11,3 +11,22 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_autograd_state_left_behind():
+    """Each test leaves autograd as it found it (no saved-tensor hooks, no dispatch mode, gradients on) and
+    transformers' attention functions as they were. Either left behind silently changes what later tests in the same
+    worker save and measure."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = dict(ALL_ATTENTION_FUNCTIONS)
+    yield
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    modes = torch._C._len_torch_dispatch_stack()
+    assert hooks is None and modes == 0 and torch.is_grad_enabled(), (
+        f"left behind: saved-tensor hooks {hooks is not None}, dispatch modes {modes}, grad {torch.is_grad_enabled()}")
+    changed = sorted(k for k in set(attention) | set(ALL_ATTENTION_FUNCTIONS)
+                     if attention.get(k) is not ALL_ATTENTION_FUNCTIONS.get(k))
+    assert not changed, f"left behind: transformers' attention functions replaced process-wide: {changed}"
