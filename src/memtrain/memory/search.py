@@ -225,9 +225,14 @@ def _variants_by_size(fam: Family, memo: dict) -> list[tuple[tuple, dict, ModelS
 
 
 def rank_key(x: Scored) -> tuple:
-    """Best first: more tokens/s, then a lower peak, then fewer offloads (the simpler run of two equal ones)."""
+    """Best first: more tokens/s, then fewer micro-steps (a larger micro-batch), then a lower peak, then fewer
+    offloads and a lower ZeRO stage (the simpler run of two equal ones). The time model prices a micro-step's compute
+    at one efficiency, so micro-batches of one global batch often tie; measured on an H100 they do not: micro-batch 1
+    ran at 17% MFU, 2 at 28%, 8 at 31-33%, and on one rank ZeRO-1/2 added 20/65 ms a micro-step over ZeRO 0
+    (reports/readme/plan-verify-h100.md). Ranking the lower peak first had put the slowest on top."""
     c = x.config
-    return -x.tokens_per_s, x.peak, c.offload_optimizer + c.offload_param + c.activation_offload
+    return (-x.tokens_per_s, c.grad_accum, x.peak, c.offload_optimizer + c.offload_param + c.activation_offload,
+            c.zero_stage)
 
 
 def refine(s: Setting, config, result: SearchResult, top: int) -> None:
