@@ -56,6 +56,8 @@ def _search_flags(p) -> None:
                    help="--search: run the top K configurations and a few random feasible ones for --verify-steps "
                         "steps through the sweep runner; print predicted against measured and Kendall's tau")
     p.add_argument("--verify-steps", type=int, default=10, metavar="N", help="--verify: steps per run (default 10)")
+    p.add_argument("--verify-extra", type=int, default=3, metavar="N",
+                   help="--verify: random feasible configurations run beside the top K (default 3)")
     p.add_argument("--verify-repeats", type=int, default=3, metavar="R",
                    help="--verify: runs per configuration, interleaved across configurations; the median is "
                         "measured and the spread shown (default 3)")

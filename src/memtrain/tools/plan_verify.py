@@ -165,18 +165,29 @@ def combined(runs: list[Verified]) -> Verified:
 
 def run_verify(result: SearchResult, recipe, out: Path, k: int, steps: int, launcher: Optional[str],
                gpus_per_node: int, extra: int = RANDOM_EXTRA, repeats: int = 1) -> list[Verified]:
-    """Write, run (sweep runner; the repeats interleaved, run_order) and read back the picked configurations."""
+    """Write, run (sweep runner; the repeats interleaved, run_order) and read back the picked configurations.
+    After each run the table so far goes to `out`/verify/verify.md, so a call cut short (a GPU lease's time) keeps
+    what it measured; a second call with the same command keeps the finished runs and goes on."""
     if result.world > gpus_per_node and (launcher or "deepspeed") == "deepspeed":
         raise UserError(f"--verify: {result.world} ranks span nodes; the local launcher runs one node "
                         "(--launcher slurm)")
     points = write_points(result, recipe, pick(result.scored, k, extra), out, steps, repeats)
     runs: list[list[Verified]] = [[] for _ in points]
-    for j, p in run_order(len(points), repeats):
+    order = run_order(len(points), repeats)
+    for n, (j, p) in enumerate(order):
         i, paths = points[p]
         sweep = load_sweep(paths[j])
         run_sweep(sweep, launcher=launcher)
         runs[p].append(measured(result, i, sweep.points[0].run_dir))
+        so_far = [combined(r) if r else not_run(result, i) for r, (i, _) in zip(runs, points)]
+        (out / "verify" / "verify.md").write_text(f"{n + 1} of {len(order)} runs done\n\n{format_verify(so_far)}\n",
+                                                  encoding="utf-8")
     return [combined(r) for r in runs]
+
+
+def not_run(result: SearchResult, i: int) -> Verified:
+    """A picked configuration none of whose runs has finished yet."""
+    return Verified(result.scored[i], i + 1, Path(), "not run", None, None, None)
 
 
 def format_verify(rows: list[Verified]) -> str:
@@ -288,7 +299,7 @@ def point_of(r: Verified, hw: Hardware) -> Point:
 def verify_cli(args, result: SearchResult, recipe, hw, out: Path) -> None:
     """--verify K: run the picked configurations, print predicted against measured, feed the calibration file."""
     rows = run_verify(result, recipe, out, args.verify, args.verify_steps, args.launcher, hw.gpus_per_node,
-                      repeats=args.verify_repeats)
+                      extra=args.verify_extra, repeats=args.verify_repeats)
     print(format_verify(rows))
     cal = Path(args.calibration) if args.calibration else calibration_path(Path(args.hardware))
     line = calibrate(rows, Path(args.hardware), cal)
@@ -301,6 +312,8 @@ def check_verify_args(args, warmup_steps: int) -> None:
         raise UserError("--verify K: K must be >= 0")
     if args.verify_repeats < 1:
         raise UserError(f"--verify-repeats {args.verify_repeats}: must be >= 1")
+    if args.verify_extra < 0:
+        raise UserError(f"--verify-extra {args.verify_extra}: must be >= 0")
     if args.verify and args.verify_steps <= warmup_steps + 1:
         raise UserError(f"--verify-steps {args.verify_steps}: needs more than train.metric_warmup_steps + 1 "
                         f"({warmup_steps + 1}): tokens/s is measured after the warm-up")

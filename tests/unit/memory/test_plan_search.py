@@ -364,6 +364,8 @@ def test_ulysses_buffers_in_the_sp_profile():
      "--nodes and --global-batch-tokens: must be positive"),
     (["--search", "--hardware", str(H100), "--nodes", "1", "--gpus-per-node", "9", "--global-batch-tokens", "4096"],
      f"--gpus-per-node: must be 1 to 8 ({H100}'s gpus_per_node)"),
+    (["--search", "--hardware", str(H100), "--nodes", "1", "--global-batch-tokens", "4096", "--verify", "1",
+      "--verify-extra", "-1"], "--verify-extra -1: must be >= 0"),
 ])
 def test_search_flags_one_line(capsys, argv, expected):
     from memtrain.tools.plan import main
@@ -573,3 +575,37 @@ def test_search_on_fewer_gpus_than_the_sheets_node(tmp_path, capsys):
     first = [(c["tokens_per_s"], c["config"]["grad_accum"], c["peak"]) for c in report["top"]]
     tied = [x for x in first if x[0] == first[0][0]]
     assert {ga for _, ga, _ in tied} == {1, 2} and first == sorted(first, key=lambda x: (-x[0], x[1], x[2]))
+
+
+def test_verify_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
+    """After each run the table so far is in plans/<name>/verify/verify.md: a GPU lease that ends during the third
+    run keeps the first two configurations' measured figures (2026-11-27: a cut call lost a whole table). The runs
+    are stood in for by summaries in the trainer's format: a launch per run has no place in the suite."""
+    from memtrain.config.ds_config import load_ds_config
+    from memtrain.memory.search import search
+    from memtrain.tools import plan_verify
+    from memtrain.tools.sweep_points import RunDir
+
+    result = search(_tiny(), load_ds_config(DS), _hardware(tmp_path, **{"gpu.memory": "0.5GiB"}), 1, 64 * 8 * 8,
+                    micro_batches=(2, 8), exact_top=0)
+    monkeypatch.chdir(tmp_path)
+    done = []
+
+    def run(sweep, launcher=None):
+        if len(done) == 2:
+            raise KeyboardInterrupt  # the lease's time is up
+        run_dir = sweep.points[0].run_dir
+        run_dir.mkdir(parents=True)
+        RunDir(run_dir).summary_file.write_text(json.dumps(
+            {"status": "completed", "device": "cuda", "metrics": {"throughput/tokens_per_s": 1000.0 + len(done),
+                                                                  "memory/peak_allocated_gib": 1.5}}))
+        done.append(run_dir)
+
+    monkeypatch.setattr(plan_verify, "run_sweep", run)
+    with pytest.raises(KeyboardInterrupt):
+        plan_verify.run_verify(result, _tiny(), tmp_path / "plan", 2, 4, None, 8, extra=1)
+    table = (tmp_path / "plan" / "verify" / "verify.md").read_text().splitlines()
+    assert table[0] == "2 of 3 runs done"
+    rows = [line.split() for line in table[4:7]]  # the three picks, after the title and the header
+    assert [r[0] for r in rows[:2]] == ["1", "2"] and [r[-5] for r in rows[:2]] == ["1,000", "1,001"], table
+    assert [r[-1] for r in rows] == ["1.50", "1.50", "-"] and rows[2][-8:-6] == ["not", "run"], table
