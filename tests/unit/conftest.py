@@ -37,9 +37,11 @@ def _no_autograd_state_left_behind():
 def _global_switches() -> dict:
     """Process-wide torch settings that change which kernel runs (and so what it allocates)."""
     import torch
+    import torch.utils.checkpoint as ac
 
     b = torch.backends.cuda
     return {"default dtype": torch.get_default_dtype(), "deterministic": torch.are_deterministic_algorithms_enabled(),
             "sdpa flash/efficient/math/cudnn": (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(),
                                                 b.math_sdp_enabled(), b.cudnn_sdp_enabled()),
-            "anomaly mode": torch.is_anomaly_enabled()}
+            "anomaly mode": torch.is_anomaly_enabled(), "recompute early stop": ac._enable_checkpoint_early_stop,
+            "recompute determinism": ac._DEFAULT_DETERMINISM_MODE}
