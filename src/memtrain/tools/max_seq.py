@@ -6,9 +6,10 @@ Per combination, one rank's activation profile is measured on fake tensors (memt
 with the run's loss and tiled MLPs installed; memory only, no FLOPs counted) at two long per-rank token counts (32 and 64 times
 the hidden size) and extended field by field along the line through them. Memory on a GPU is
 linear in the tokens (flash/efficient attention keeps no T x T scores; a tiled MLP with `auto`
-slices is a constant); the fused loss's chunked working set grows slower than linearly, so the
-line overestimates it a little (a quadratic through three points was tried and extrapolated the
-chunking's steps far too steeply). Sequence parallelism divides the
+slices is a constant); the fused loss's is not quite: its bytes per token change by a few percent between
+4x and 128x the hidden size, so the line is exact near the probes and an answer below them can be up to 1.6% over
+the budget (measured: reports/readme/long-sequences.md; a quadratic through three points was tried and
+extrapolated the chunking's steps far too steeply). Sequence parallelism divides the
 sequence over its ranks, so a sequence S puts T = S / sp tokens on each rank. The host side is
 what offloaded checkpointed inputs take (L x T x hidden x bytes per rank, from the profile) plus
 offloaded model states, for every rank of a node.
