@@ -248,8 +248,9 @@ def run_steps(engine, model, feed: dict, accum: int, base: dict, seen: dict) -> 
         del loss
         if step == 1:
             prof.stop()
-            seen["peak"] = max(seen.get("peak", 0), alive + profiled_peak_rise(prof))
-            seen.setdefault("micro_peaks", []).append([alive, alive + profiled_peak_rise(prof)])
+            rise = profiled_peak_rise(prof, earlier_frees=True)  # `alive` holds the blocks made before the window
+            seen["peak"] = max(seen.get("peak", 0), alive + rise)
+            seen.setdefault("micro_peaks", []).append([alive, alive + rise])
             del prof
         if step == 1 and last:
             break
