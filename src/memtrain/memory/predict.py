@@ -16,7 +16,8 @@ from memtrain.recompute.units import ModelPaths, model_paths, recompute_units
 from memtrain.memory import tensor_parallel
 from memtrain.memory.target import Target
 from memtrain.memory.states import ModelStates, Release, model_states
-from memtrain.memory.profile import MODULES, ActivationProfile, fake_model, profile_activations, supported_modes, modules_mode
+from memtrain.memory.profile import (MODULES, ActivationProfile, fake_model, measured_part, modules_mode,
+                                     profile_activations, supported_modes)
 from memtrain.recompute.offload import PREFETCH_DEPTH
 
 # Allocator margin on CUDA: what torch.cuda.max_memory_allocated() shows above the live tensors
@@ -258,10 +259,22 @@ def eval_peak(profile: ActivationProfile, states: ModelStates) -> int:
 
 # --------------------------------------------------------------------------- any ACPlan
 
-def predicted_paths(model1, num_layers: int) -> ModelPaths:
-    """The module paths of a `num_layers`-layer model of the family, from a 1-layer one (fake or meta tensors): layer
+_LAYER_PATHS: dict[tuple, ModelPaths] = {}  # by (config, measured part of the target): built once per process
+
+
+def layer_paths(config, target: Target) -> ModelPaths:
+    """The module paths of the 1-layer fake model a profile measures at `target` (its adapters, tiled MLPs and loss
+    installed). Memoized: building the model is most of a prediction's time, and its paths depend on nothing else."""
+    key = (config.to_json_string(), measured_part(target))
+    if key not in _LAYER_PATHS:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            _LAYER_PATHS[key] = model_paths(fake_model(config, 1, target))
+    return _LAYER_PATHS[key]
+
+
+def predicted_paths(one: ModelPaths, num_layers: int) -> ModelPaths:
+    """The module paths of a `num_layers`-layer model of the family, from a 1-layer one's (`layer_paths`): layer
     i's paths are layer 0's with the index replaced, in module order."""
-    one = model_paths(model1)
     head = f"{one.layer_path}.0"
     names = []
     for name in one.names:
@@ -273,16 +286,16 @@ def predicted_paths(model1, num_layers: int) -> ModelPaths:
     return ModelPaths(tuple(names), one.layer_path, one.layers * num_layers, one.model_type)
 
 
-def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[LayerChoice, ...], list[str]]:
+def plan_choices(plan: ACPlan, one: ModelPaths, num_layers: int) -> tuple[tuple[LayerChoice, ...], list[str]]:
     """Per-layer choices (measured mode keys, offload) of an ACPlan, and notes on what is not modelled.
 
     The units are those `apply_plan` installs (`memtrain.recompute.units.recompute_units`), on the paths of a
-    `num_layers`-layer model of `model1`'s family (`predicted_paths`). Inside layer i, the units {the layer} are
-    mode full (or its own mode), {its attention / MLP sublayer} mode attn / mlp, anything else a measured
+    `num_layers`-layer model with the 1-layer model's paths `one` (`predicted_paths`). Inside layer i, the units {the
+    layer} are mode full (or its own mode), {its attention / MLP sublayer} mode attn / mlp, anything else a measured
     `modules_mode`. Units outside the decoder layers are not modelled (noted), nor is the offload of a
     `modules_mode` set (noted: predicted on the device).
     """
-    units, _ = recompute_units(plan, predicted_paths(model1, num_layers))
+    units, _ = recompute_units(plan, predicted_paths(one, num_layers))
     per_layer: list[list] = [[] for _ in range(num_layers)]
     outside = []
     for unit in units:
@@ -292,7 +305,7 @@ def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[LayerChoi
         names = [u.name for u in outside]
         notes.append(f"modules pattern matches outside the decoder layers not modelled (predicted as kept): "
                      f"{', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""))
-    layer0 = model_paths(model1).layers[0]
+    layer0 = one.layers[0]
     choices, unmodelled_offload = [], []
     for i, found in enumerate(per_layer):
         mode, offload = KEEP, any(u.offload for u in found)
@@ -314,9 +327,7 @@ def plan_choices(plan: ACPlan, model1, num_layers: int) -> tuple[tuple[LayerChoi
 
 def predict_plan(config, target: Target, ds_config: dict, plan: ACPlan) -> Prediction:
     """The prediction for any ACPlan the trainer runs (see memtrain.memory.planner.predict_run)."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model1 = fake_model(config, 1, target)
-        choices, notes = plan_choices(plan, model1, config.num_hidden_layers)
+    choices, notes = plan_choices(plan, layer_paths(config, target), config.num_hidden_layers)
     extra = tuple(dict.fromkeys(c.mode for c in choices if c.mode.startswith(MODULES)))
     profile = profile_activations(config, target, (*supported_modes(), *extra), count_flops=False)  # reads no FLOPs
     states = model_states(profile, ds_config, target)

@@ -14,15 +14,14 @@ import sys
 from dataclasses import asdict, replace, replace as with_
 from typing import Optional
 
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.recompute.policy import build_plan
 from memtrain.errors import UserError, cli_entry
 from memtrain.units import GIB, parse_size
 from memtrain.model.eval_data import has_eval_data
 from memtrain.model.moe import experts_line
-from memtrain.memory.predict import LayerChoice, eval_peak, plan_choices, predict, predict_plan
-from memtrain.memory.profile import MODULES, ActivationProfile, fake_model, profile_activations
+from memtrain.memory.predict import LayerChoice, eval_peak, layer_paths, plan_choices, predict, predict_plan
+from memtrain.memory.profile import MODULES, ActivationProfile, profile_activations
 from memtrain.memory.rates import measure_rates
 from memtrain.memory.states import model_states
 from memtrain.memory.target import make_target, model_and_config, recompute_spec
@@ -179,8 +178,7 @@ def _extra_rows(spec, num_layers: int) -> dict:
 
 
 def plan_choices_of(config, target, plan) -> tuple[LayerChoice, ...]:
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        return plan_choices(plan, fake_model(config, 1, target), config.num_hidden_layers)[0]
+    return plan_choices(plan, layer_paths(config, target), config.num_hidden_layers)[0]
 
 
 def format_report(r: dict) -> str:

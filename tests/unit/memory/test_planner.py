@@ -283,7 +283,7 @@ def test_predicted_units_are_the_installed_hooks(modules):
     from memtrain.memory.predict import plan_choices, predicted_paths
     from memtrain.memory.profile import MODULES
     from memtrain.recompute.policy import custom_plan
-    from memtrain.recompute.units import recompute_units
+    from memtrain.recompute.units import model_paths, recompute_units
 
     recipe = load_recipe(None, ["train.micro_batch_size=1"])
     config, target, model, _ = _real_model(recipe, 4, batch=1, seq=16)
@@ -294,9 +294,9 @@ def test_predicted_units_are_the_installed_hooks(modules):
     hooked = _hooked(model)
     assert hooked  # something was installed
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model1 = fake_model(config, 1, target)
-        units, _ = recompute_units(plan, predicted_paths(model1, 4))
-        choices, notes = plan_choices(plan, model1, 4)
+        one = model_paths(fake_model(config, 1, target))
+    units, _ = recompute_units(plan, predicted_paths(one, 4))
+    choices, notes = plan_choices(plan, one, 4)
     assert {u.name for u in units} == set(hooked), modules
     # what the per-layer choices stand for, back as module paths
     layers = set()
