@@ -264,7 +264,8 @@ _LAYER_PATHS: dict[tuple, ModelPaths] = {}  # by (config, measured part of the t
 
 def layer_paths(config, target: Target) -> ModelPaths:
     """The module paths of the 1-layer fake model a profile measures at `target` (its adapters, tiled MLPs and loss
-    installed). Memoized: building the model is most of a prediction's time, and its paths depend on nothing else."""
+    installed). Memoized: building the model is most of a prediction's time once its profile is measured, and the
+    paths depend on nothing else."""
     key = (config.to_json_string(), measured_part(target))
     if key not in _LAYER_PATHS:
         with FakeTensorMode(allow_non_fake_inputs=True):

@@ -14,7 +14,6 @@ import sys
 from dataclasses import asdict, replace, replace as with_
 from typing import Optional
 
-
 from memtrain.recompute.policy import build_plan
 from memtrain.errors import UserError, cli_entry
 from memtrain.units import GIB, parse_size
