@@ -433,6 +433,20 @@ def with_time_terms(compiled: ActivationProfile, eager: ActivationProfile) -> Ac
     return replace(compiled, layers=layers)
 
 
+def _keep_pair(config, target: Target, keep_run: dict, count_flops: bool, compiled) -> tuple[dict, dict, bool]:
+    """The 1- and 2-layer keep runs whose saved bytes differ by one kept layer (`outside_saved`), and whether they ran
+    without the target's tiled MLPs. Tiling changes nothing outside the layers: over the 18 families of
+    tests/families.py (standard and fused loss, 512 tokens, `auto` slices) untiled runs gave the same outside_saved
+    (2026-11-27), and a tiled 2-layer run dispatches two layers' slices on fake tensors (most of a long-sequence
+    profile's time). So an eager tiled target's pair runs untiled; its largest block is the tiled runs' alone."""
+    shards = tiled_mlp_shards(target.tiled_mlp, target.seq_len, config.hidden_size)
+    if target.compiled or shards <= 1:
+        return keep_run, _run(fake_model(config, 2, target), (KEEP, KEEP), target, count_flops, compiled), False
+    plain_mlps = replace(target, tiled_mlp=0)
+    one = _run(fake_model(config, 1, plain_mlps), (KEEP,), plain_mlps, False)
+    return one, _run(fake_model(config, 2, plain_mlps), (KEEP, KEEP), plain_mlps, False), True
+
+
 def _measure_profile(config, target: Target, modes: tuple[str, ...], count_flops: bool = True) -> ActivationProfile:
     """See `_profiled`. A compiled target (`train.compile`) runs each layer as torch.compile partitions it (forward and
     backward graphs as inductor splits them, run eagerly: memtrain.recompute.compiled.partitioned_eager)."""
@@ -446,10 +460,10 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...], count_flops
         modes = tuple(m for m in modes if m not in (ATTN, MLP) or find_sublayer(layer, m) is not None)
         for mode in modes:
             runs[mode] = _run(model, (mode,), target, count_flops, compiled)
-        two_keep = _run(fake_model(config, 2, target), (KEEP, KEEP), target, count_flops, compiled)
-        deeper = [two_keep] + ([_run(fake_model(config, 2, target), (FULL, FULL), target, count_flops, compiled)]
-                               if FULL in modes and _layer_kinds(config) > 1 else [])
-    outside_saved = 2 * runs[KEEP]["saved"] - two_keep["saved"]
+        one_keep, two_keep, untiled = _keep_pair(config, target, runs[KEEP], count_flops, compiled)
+        deeper = [_run(fake_model(config, 2, target), (FULL, FULL), target, count_flops, compiled)] \
+            if FULL in modes and _layer_kinds(config) > 1 else []
+    outside_saved = 2 * one_keep["saved"] - two_keep["saved"]
     keep = _layer_cost(runs[KEEP], outside_saved)
     layers = {mode: _layer_cost(run, outside_saved, keep) for mode, run in runs.items()}
     run = runs[KEEP]  # the parts around the layers do not depend on the layers' mode
@@ -461,7 +475,7 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...], count_flops
     # fake CPU fp32 and CUDA bf16 (standard and fused loss), its head_net and largest block equal the 1-layer
     # runs' in every case but Gemma-2's (2026-11-27); it is a third of a profile's time.
     head_net = max([_live(r, "bwd_start0") - _live(r, "fwd_end0") for r in runs.values()]
-                   + [_live(r, "bwd_start1") - _live(r, "fwd_end1") for r in deeper])
+                   + [_live(r, "bwd_start1") - _live(r, "fwd_end1") for r in (two_keep, *deeper)])
     return ActivationProfile(
         target=target,
         num_layers=config.num_hidden_layers,
@@ -474,7 +488,7 @@ def _measure_profile(config, target: Target, modes: tuple[str, ...], count_flops
         head_excess=_peak(run, "fwd_end0", "bwd_start0") - _live(run, "fwd_end0"),
         head_net=head_net,
         tail_excess=_peak(run, "bwd_end0", "end") - _live(run, "bwd_end0"),
-        largest_block=max(r["largest_block"] for r in (*runs.values(), *deeper)),
+        largest_block=max(r["largest_block"] for r in (*runs.values(), *deeper, *(() if untiled else (two_keep,)))),
         quantized_sizes=quantized,
         layer_params=tuple((p.numel(), False) for p in layer.parameters()),
     )
