@@ -324,7 +324,8 @@ def _profiled(config, target: Target, modes: tuple[str, ...], count_flops: bool 
     A 1-layer model runs once per mode: its layer's window of the live-bytes curve gives what the
     layer leaves alive, its transient peaks and its FLOPs. A 2-layer model without recompute runs
     once more: the difference in saved bytes is one kept layer, which separates what the layer
-    saves from what embeddings, final norm, logits and loss save (the same in every mode).
+    saves from what embeddings, final norm, logits and loss save (the same in every mode; with tiled MLPs
+    both keep runs of that difference run untiled, `_keep_pair`).
     Modes may include `modules_mode(paths)`: those modules inside the layer recomputed.
     """
     if KEEP not in modes:
