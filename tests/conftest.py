@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import file_order  # noqa: E402  (longest file first)
 from file_order import pytest_collection_modifyitems  # noqa: E402,F401
 from memtrain import startup_gc  # noqa: E402
-from launching import ROOT, TRAIN, Launch, _env, _free_port, launch_cmd, processes, run_launch  # noqa: E402,F401
+from launching import ROOT, TRAIN, Launch, _env, launch_cmd, processes, run_launch  # noqa: E402,F401
 
 
 def pytest_configure(config):

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from memtrain.train.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "src" / "train.py"
 
@@ -22,14 +24,6 @@ def _env() -> dict:
     return env
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_cmd(script: Path = TRAIN, args: Sequence[str] = (), nproc: int = 2,
                launcher: Optional[Sequence[str]] = None) -> list[str]:
     """The command line of a launch of `script`: nproc 0 is `python script`; otherwise DeepSpeed's launcher with
@@ -37,7 +31,7 @@ def launch_cmd(script: Path = TRAIN, args: Sequence[str] = (), nproc: int = 2,
     if not nproc:
         return [sys.executable, str(script), *args]
     head = list(launcher) if launcher else [str(Path(sys.executable).with_name("deepspeed"))]
-    return [*head, "--num_gpus", str(nproc), "--master_port", str(_free_port()), str(script), *args]
+    return [*head, "--num_gpus", str(nproc), "--master_port", str(free_port()), str(script), *args]
 
 
 def processes(sid: int) -> list[tuple[int, str]]:

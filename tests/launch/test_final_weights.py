@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 
-from conftest import ROOT, _env, _free_port
+from conftest import ROOT, _env
+from memtrain.train.ports import free_port
 
 TIMEOUT_S = 4.0  # the ranks' collective timeout
 RATE = 6e6  # bytes/s of rank 0's slowed fsync: the 41 MB model takes ~7 s, the first shard ~2 s
@@ -19,7 +20,7 @@ def test_slow_disk_streams_within_the_collective_timeout(tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
     from final_weights_worker import model
 
-    out, port = tmp_path / "final", _free_port()
+    out, port = tmp_path / "final", free_port()
     worker = ROOT / "tests" / "final_weights_worker.py"
     procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(port), str(out), str(TIMEOUT_S), str(RATE)],
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, ROOT, TRAIN, _env, _free_port
+from conftest import FAST, ROOT, TRAIN, _env
+from memtrain.train.ports import free_port
 from memtrain.tools.tb import read_scalars
 from memtrain.train.checkpoint import tag_for
 
@@ -45,7 +46,7 @@ def _agents(run_dir: Path, job: str, logs: Path, extra=(), node_cwds=None,
     the order of (address, agent pid): on a cluster by host name, so rank 0 need not be on the batch script's
     node; here, on one address, the agent started first."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    port = _free_port()
+    port = free_port()
     cmd = [str(torchrun), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
            str(TRAIN), "--deepspeed", str(ROOT / "ds_configs" / ds), *ARGS, *extra]

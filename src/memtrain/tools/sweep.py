@@ -11,9 +11,10 @@ from typing import Callable, Optional
 
 from memtrain.errors import ArgumentParser, UserError, cli_entry
 from memtrain.tools.sweep_points import (DEFAULT_SWEEP, SET_ASIDE, TRAIN_PY, Point, SweepBar, Sweep, add_shrink_flags,
-                                         finish_point, finished_differently, free_port, is_finished, last_step,
+                                         finish_point, finished_differently, is_finished, last_step,
                                          load_sweep, prepare_point, read_summary, tail)
 from memtrain.tools.slurm import run_array
+from memtrain.train.ports import free_port
 
 def run_deepspeed(sweep: Sweep, points: list[Point], progress: SweepBar) -> None:
     """One launcher process per point on this machine, one point after another: make train's launcher

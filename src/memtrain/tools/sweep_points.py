@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import json
+import os
 import re
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,8 @@ from typing import Any, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
-from memtrain.errors import UserError
 from memtrain.config.recipe import Recipe, did_you_mean, format_validation_error, load_yaml, parse_scalar
+from memtrain.errors import UserError
 from memtrain.train.run_dir import RunDir
 
 DEFAULT_SWEEP = "recipes/sweeps/tiny-cpu.yaml"
@@ -371,12 +370,6 @@ class SweepBar:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def finish_point(sweep: Sweep, point: Point, returncode: int, progress: SweepBar) -> dict:

@@ -40,6 +40,7 @@ from memtrain.train import checkpoint, ds_log, gloo_env, long_context, parallel,
 from memtrain.train import run_dir as run_dirs
 from memtrain.train.checkpointer import Checkpointer, samples_per_step, save_every_s
 from memtrain.train.evaluate import EvalResult, evaluate
+from memtrain.train.ports import free_port
 from memtrain.train.faults import RunPosition, is_oom, oom_message, write_failure
 from memtrain.train.final import save_final
 from memtrain.train.interval_log import IntervalLogger, eval_due, is_boundary, log_every
@@ -61,9 +62,7 @@ def single_process_env() -> Optional[str]:
     if "RANK" in os.environ:
         return None
     left = os.environ.get("WORLD_SIZE", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if left.strip() != "1":

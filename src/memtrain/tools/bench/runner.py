@@ -18,7 +18,7 @@ from typing import Optional
 from memtrain.config.ds_config import load_ds_config
 from memtrain.config.recipe import load_recipe
 from memtrain.tools.bench.setups import ADAPTERS, parse_setup
-from memtrain.tools.sweep_points import free_port
+from memtrain.train.ports import free_port
 from memtrain.train.run_dir import RunDir
 
 TRAIN_PY = Path(__file__).resolve().parents[3] / "train.py"
