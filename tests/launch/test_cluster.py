@@ -89,7 +89,8 @@ def test_a_node_check_failed_on_rank_1_alone_is_printed_by_rank_1(tmp_path):
 
     import pytest
 
-    from conftest import TRAIN, _env, _free_port
+    from conftest import TRAIN, _env
+    from memtrain.train.ports import free_port
 
     # train.collective_timeout_s: how long rank 0 waits in the rendezvous, most of this test's time (76 s of 60 s);
     # rank 1 fails its check at about the time rank 0 starts to wait: 20 s leaves a margin for shared cores
@@ -99,7 +100,7 @@ def test_a_node_check_failed_on_rank_1_alone_is_printed_by_rank_1(tmp_path):
         pytest.skip("no memory cgroup can be made here (not root, or no memory controller)")
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=node-check", "--max-restarts=0",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=node-check", "--max-restarts=0",
            str(TRAIN), "--deepspeed", str(ROOT / "ds_configs" / "zero3_offload.json"),
            "--recipe", str(ROOT / "recipes" / "llama-1b.yaml"), "--set", "model.config.num_hidden_layers=2",
            "--set", "data.random_tokens=true", "--set", f"train.collective_timeout_s={timeout_s}",
@@ -156,14 +157,15 @@ def test_host_memory_counts_every_agents_ranks_on_the_node(tmp_path):
 
     import pytest
 
-    from conftest import TRAIN, _env, _free_port
+    from conftest import TRAIN, _env
+    from memtrain.train.ports import free_port
 
     group = _memory_cgroup(f"memtrain-test-agents-{os.getpid()}", 11 << 30)
     if group is None:
         pytest.skip("no memory cgroup can be made here (not root, or no memory controller)")
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=agents", "--max-restarts=0",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=agents", "--max-restarts=0",
            str(TRAIN), "--deepspeed", str(ROOT / "ds_configs" / "zero3_offload.json"),
            "--recipe", str(ROOT / "recipes" / "llama-1b.yaml"), "--set", "model.config.num_hidden_layers=2",
            "--set", "data.random_tokens=true", "--set", "train.collective_timeout_s=120",

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, TRAIN, Launch, _free_port, _workers
+from conftest import FAST, TRAIN, Launch, _workers
+from memtrain.train.ports import free_port
 from memtrain.tools.tb import read_scalars
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,7 +23,7 @@ def test_trainer_on_every_gpu_stops_together_on_one_signal(tmp_path):
     ngpus = torch.cuda.device_count()
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ngpus), "--master_port",
-           str(_free_port()), str(TRAIN), *FAST, "--set", "train.log_every=3", "--max-steps", "100000",
+           str(free_port()), str(TRAIN), *FAST, "--set", "train.log_every=3", "--max-steps", "100000",
            "--run-dir", str(run_dir)]
     with Launch(cmd) as launch:
         proc = launch.proc
