@@ -123,18 +123,6 @@ def json_for(variant: str, out_dir: Path, rank: int) -> str:
     return str(path)
 
 
-def resolve_in_turn(args, rank, world):
-    """`resolve_run` on rank 0 first, then on the others, which read the activation profiles it measured into
-    data.cache_dir (as a run's ranks read its preflight's) instead of measuring them again."""
-    import deepspeed.comm as dist
-
-    from memtrain.train.preflight import resolve_run
-
-    checked = resolve_run(args, world) if rank == 0 else None
-    dist.barrier()
-    return checked if rank == 0 else resolve_run(args, world)
-
-
 def run_case(variant, policy, backend, steps, out_dir, rank, world):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
@@ -144,6 +132,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     from memtrain.model.build import decoder_layers
     from memtrain.recompute.compiled import CompileWatch
     from memtrain.recompute.meter import ActivationMeter
+    from memtrain.train.preflight import resolve_run
     from memtrain.train.trainer import COMPILE_WARMUP_STEPS, build_engine
     from memtrain.train.zero3_probe import Zero3Probe
 
@@ -155,7 +144,7 @@ def run_case(variant, policy, backend, steps, out_dir, rank, world):
     tag = f"case {variant}/{policy}/{backend}"
     args = parse_args(["--deepspeed", json_for(variant, out_dir, rank), *sum((["--set", o] for o in overrides), [])])
     with timed(f"{tag}: resolve"), as_on_a_gpu() if variant.startswith("offload") else contextlib.nullcontext():
-        checked = resolve_in_turn(args, rank, world)
+        checked = resolve_run(args, world)  # one rank measures its profiles, the other waits and reads them
     plan = checked.plan
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       plan.checkpoint_calls, hidden_size=model_hidden_size(checked.config)))
@@ -301,11 +290,12 @@ def family_steps(family, out_dir, rank, world) -> dict:
     same on every rank), the plan's policy and its model lines."""
     from memtrain.config.ds_config import model_hidden_size, resolve_ds_config
     from memtrain.model.build import build_model
+    from memtrain.train.preflight import resolve_run
     from memtrain.train.trainer import build_engine
 
     args = family_args(family, out_dir, rank)
     with timed(f"family {family}: resolve"):
-        checked = resolve_in_turn(args, rank, world)
+        checked = resolve_run(args, world)  # one rank measures its profiles, the other waits and reads them
     ds_config = checked.zero3.apply(resolve_ds_config(args.ds_config, args.recipe, world, out_dir / "run",
                                                       checked.plan.checkpoint_calls,
                                                       hidden_size=model_hidden_size(checked.config)))

@@ -287,11 +287,9 @@ def profile_activations(config, target: Target, modes: Optional[tuple[str, ...]]
     name = profile_cache.key(config.to_json_string(), {**target.to_dict(), "loss": _loss_code(target),
                                                        "flops": count_flops}, modes)
     if name not in _KEPT:
-        kept = _read_kept(name, target)
-        if kept is None:
-            kept = _profiled(config, target, modes, count_flops)
-            profile_cache.write(name, {**kept.to_dict(), "target": None})  # the target is the key's, not kept
-        _KEPT[name] = kept
+        _KEPT[name] = profile_cache.kept_or_measured(
+            name, lambda: _read_kept(name, target), lambda: _profiled(config, target, modes, count_flops),
+            lambda kept: {**kept.to_dict(), "target": None})  # the target is the key's, not kept
     return _KEPT[name]
 
 

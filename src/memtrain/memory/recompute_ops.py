@@ -58,11 +58,13 @@ def recompute_ops(config, target: Target, modes: tuple[str, ...], config_json: O
     name = profile_cache.key(config_json or config.to_json_string(),
                              {**measured_part(target).to_dict(), "what": "recompute_ops"}, modes)
     if name not in _COUNTED:
-        kept: Optional[dict] = profile_cache.read(name)
-        if not (isinstance(kept, dict) and set(kept) == set(modes) and all(isinstance(v, int) for v in kept.values())):
-            kept = count_recompute_ops(config, target, modes)
-            profile_cache.write(name, kept)
-        _COUNTED[name] = kept
+        def read_kept() -> Optional[dict]:
+            kept = profile_cache.read(name)
+            valid = isinstance(kept, dict) and set(kept) == set(modes) and all(isinstance(v, int) for v in kept.values())
+            return kept if valid else None
+
+        _COUNTED[name] = profile_cache.kept_or_measured(name, read_kept,
+                                                        lambda: count_recompute_ops(config, target, modes), dict)
     return _COUNTED[name]
 
 

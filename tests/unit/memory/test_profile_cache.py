@@ -170,3 +170,39 @@ def test_a_memory_only_request_after_a_counted_measurement_measures_nothing(monk
     monkeypatch.setattr(profile, "_run", lambda *a, **k: measured.append(a) or real(*a, **k))
     assert profile_activations(config, target, modes, count_flops=False) == fresh and not measured
     forget_measured()
+
+
+def test_a_process_that_misses_an_entry_another_is_measuring_waits_and_reads_it(kept, monkeypatch):
+    """A node's ranks start together and miss the same entry: one measures, the others wait on its lock and read what
+    it kept. Here the lock is held as another process would hold it (a flock on its own open file: the same conflict
+    between two processes and between two opens in one), and a thread asks for the profile meanwhile: it measures
+    nothing while the lock is held, and after it reads the entry written under the lock."""
+    import threading
+
+    import memtrain.memory.profile as profile
+
+    config = build_config(ModelSection(type="llama", config=SMALL_LLAMA), vocab_size=257, seq_len=32)
+    target = Target("cpu", "float32", 2, 32, 2)
+    profile_cache.keep_in(None)
+    reference = profile_activations(config, target, MODES)
+    forget_measured()
+    profile_cache.keep_in(kept)
+    name = profile_cache.key(config.to_json_string(), {**target.to_dict(), "loss": profile._loss_code(target),
+                                                       "flops": True}, MODES)
+    measured = []
+    real = profile._profiled
+    monkeypatch.setattr(profile, "_profiled", lambda *a, **k: measured.append(a) or real(*a, **k))
+    got = {}
+    with profile_cache._measuring(name):  # the other rank, measuring
+        asker = threading.Thread(target=lambda: got.update(profile=profile_activations(config, target, MODES)))
+        asker.start()
+        asker.join(timeout=1.0)
+        assert asker.is_alive() and not measured  # waiting, not measuring the same profile beside it
+        profile_cache.write(name, {**reference.to_dict(), "target": None})  # what the other rank kept
+    asker.join(timeout=60)
+    assert not asker.is_alive() and got["profile"] == reference and not measured  # read, not measured again
+
+    forget_measured()
+    (kept / f"{name}.json").unlink()  # nobody holds the lock: measured and kept at once
+    assert profile_activations(config, target, MODES) == reference and len(measured) == 1
+    assert (kept / f"{name}.json").exists()
